@@ -1,0 +1,127 @@
+#pragma once
+// kv_cache: an owning host container for users (tests, demos, small engines)
+// who do not bring their own buffers. It owns K, V (and for a paged cache the
+// page table) and hands out kv_view values; everything else in kvevict works
+// on the views only.
+#include <cstdint>
+#include <numeric>
+#include <utility>
+#include <vector>
+
+#include "kvevict/error.hpp"
+#include "kvevict/kv_view.hpp"
+#include "kvevict/layout.hpp"
+
+namespace kvevict {
+
+template <class T, class Layout>
+class kv_cache {
+ public:
+  using view_type = kv_view<T, Layout>;
+  using const_view_type = kv_view<const T, Layout>;
+
+  kv_cache(const kv_cache&) = delete;  // a paged view points into page_table_
+  kv_cache& operator=(const kv_cache&) = delete;
+  kv_cache(kv_cache&&) noexcept = default;  // vector moves keep their buffers
+  kv_cache& operator=(kv_cache&&) noexcept = default;
+
+  view_type view() noexcept { return {k_.data(), v_.data(), layout_, num_seqs_, num_heads_, capacity_, head_dim_}; }
+  const_view_type view() const noexcept {
+    return {k_.data(), v_.data(), layout_, num_seqs_, num_heads_, capacity_, head_dim_};
+  }
+
+  std::vector<T>& k_storage() noexcept { return k_; }
+  std::vector<T>& v_storage() noexcept { return v_; }
+  const std::vector<T>& k_storage() const noexcept { return k_; }
+  const std::vector<T>& v_storage() const noexcept { return v_; }
+  /// Page table of a paged cache ([num_seqs][max_pages_per_seq]); engines may
+  /// rewrite it (e.g. to hand pages back to a pool) as long as ids stay valid.
+  std::vector<std::int32_t>& page_table() noexcept { return page_table_; }
+
+  std::int32_t num_seqs() const noexcept { return num_seqs_; }
+  std::int32_t num_heads() const noexcept { return num_heads_; }
+  std::int32_t capacity() const noexcept { return capacity_; }
+  std::int32_t head_dim() const noexcept { return head_dim_; }
+  /// Bytes held by K and V together.
+  std::size_t bytes() const noexcept { return (k_.size() + v_.size()) * sizeof(T); }
+
+  template <class U, class L>
+  friend kv_cache<U, L> make_cache_impl(L layout, std::int32_t, std::int32_t, std::int32_t, std::int32_t,
+                                        std::size_t, std::vector<std::int32_t>);
+
+ private:
+  kv_cache() = default;
+
+  std::vector<T> k_, v_;
+  std::vector<std::int32_t> page_table_;
+  Layout layout_{};
+  std::int32_t num_seqs_ = 0, num_heads_ = 0, capacity_ = 0, head_dim_ = 0;
+};
+
+template <class T, class Layout>
+kv_cache<T, Layout> make_cache_impl(Layout layout, std::int32_t num_seqs, std::int32_t num_heads,
+                                    std::int32_t capacity, std::int32_t head_dim, std::size_t elements,
+                                    std::vector<std::int32_t> page_table) {
+  kv_cache<T, Layout> cache;
+  cache.k_.assign(elements, T{});
+  cache.v_.assign(elements, T{});
+  cache.page_table_ = std::move(page_table);
+  cache.layout_ = layout;
+  if constexpr (std::is_same_v<Layout, paged_layout>) cache.layout_.page_table = cache.page_table_.data();
+  cache.num_seqs_ = num_seqs;
+  cache.num_heads_ = num_heads;
+  cache.capacity_ = capacity;
+  cache.head_dim_ = head_dim;
+  return cache;
+}
+
+namespace detail {
+inline void require_cache_shape(const char* where, std::int32_t num_seqs, std::int32_t num_heads,
+                                std::int32_t capacity, std::int32_t head_dim) {
+  require_positive(where, "num_seqs", num_seqs);
+  require_positive(where, "num_heads", num_heads);
+  require_positive(where, "capacity", capacity);
+  require_positive(where, "head_dim", head_dim);
+}
+}  // namespace detail
+
+/// Contiguous cache in BHSD order: [num_seqs][num_heads][capacity][head_dim].
+template <class T>
+kv_cache<T, strided_layout> make_bhsd_cache(std::int32_t num_seqs, std::int32_t num_heads,
+                                            std::int32_t capacity, std::int32_t head_dim) {
+  detail::require_cache_shape("make_bhsd_cache", num_seqs, num_heads, capacity, head_dim);
+  return make_cache_impl<T>(strided_layout::bhsd(num_heads, capacity, head_dim), num_seqs, num_heads, capacity,
+                            head_dim, std::size_t(num_seqs) * num_heads * capacity * head_dim, {});
+}
+
+/// Contiguous cache in BSHD order: [num_seqs][capacity][num_heads][head_dim].
+template <class T>
+kv_cache<T, strided_layout> make_bshd_cache(std::int32_t num_seqs, std::int32_t num_heads,
+                                            std::int32_t capacity, std::int32_t head_dim) {
+  detail::require_cache_shape("make_bshd_cache", num_seqs, num_heads, capacity, head_dim);
+  return make_cache_impl<T>(strided_layout::bshd(num_heads, capacity, head_dim), num_seqs, num_heads, capacity,
+                            head_dim, std::size_t(num_seqs) * num_heads * capacity * head_dim, {});
+}
+
+/// Paged cache: a pool of exactly enough pages for every sequence's capacity.
+/// Sequence b gets pages [b * pages_per_seq, (b + 1) * pages_per_seq) in
+/// reverse order, so that tests exercise a page table that is not the
+/// identity; rewrite page_table() for any other assignment.
+template <class T>
+kv_cache<T, paged_layout> make_paged_cache(std::int32_t num_seqs, std::int32_t num_heads, std::int32_t capacity,
+                                           std::int32_t head_dim, std::int32_t page_size, page_order order) {
+  detail::require_cache_shape("make_paged_cache", num_seqs, num_heads, capacity, head_dim);
+  detail::require_positive("make_paged_cache", "page_size", page_size);
+  const std::int32_t pages_per_seq = pages_for(capacity, page_size);
+  std::vector<std::int32_t> table(std::size_t(num_seqs) * pages_per_seq);
+  for (std::int32_t b = 0; b < num_seqs; ++b)
+    for (std::int32_t i = 0; i < pages_per_seq; ++i)
+      table[std::size_t(b) * pages_per_seq + i] = b * pages_per_seq + (pages_per_seq - 1 - i);
+  const std::int32_t num_pages = num_seqs * pages_per_seq;
+  const paged_layout layout =
+      paged_layout::make(nullptr, pages_per_seq, num_pages, page_size, num_heads, head_dim, order);
+  return make_cache_impl<T>(layout, num_seqs, num_heads, capacity, head_dim,
+                            std::size_t(num_pages) * page_size * num_heads * head_dim, std::move(table));
+}
+
+}  // namespace kvevict

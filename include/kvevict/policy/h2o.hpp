@@ -1,0 +1,53 @@
+#pragma once
+// H2O, "Heavy-Hitter Oracle" (Zhang et al., NeurIPS 2023): keep the `heavy`
+// tokens with the highest accumulated attention plus the `recent` newest.
+//
+// Decode: once a sequence holds heavy + recent + 1 tokens, the victim is the
+// lowest (score, position) among tokens outside the recent window. This is
+// exactly the reference "real drop" (re-select top-heavy + last recent every
+// step), because the recent window slides by one token per step.
+#include <cstdint>
+
+#include "kvevict/error.hpp"
+#include "kvevict/order.hpp"
+#include "kvevict/policy/policy_base.hpp"
+
+namespace kvevict {
+
+struct h2o_config {
+  std::int32_t heavy = 0;   ///< tokens kept by accumulated score
+  std::int32_t recent = 0;  ///< newest tokens always kept (the newest included)
+  group_reduce reduce = group_reduce::sum;
+
+  std::int32_t budget() const noexcept { return heavy + recent; }
+};
+
+class h2o_policy : public policy_base<h2o_policy> {
+ public:
+  h2o_policy(const policy_shape& shape, const h2o_config& config)
+      : policy_base("h2o_policy", shape, checked(config).budget(), config.reduce), config_(config) {}
+
+  const h2o_config& config() const noexcept { return config_; }
+
+  std::int32_t choose_victim(std::int32_t b, std::int32_t h) const {
+    const float* score = scores_of(b, h);
+    return min_key_victim(b, h, 0, config_.recent,
+                          [score](std::int32_t s, std::int32_t p) { return eviction_key(score[s], p); });
+  }
+
+  void select_keep(std::int32_t, std::int32_t, std::int32_t length, const float* score, std::int32_t* keep) const {
+    keep_top_keys(length, 0, config_.recent, [score](std::int32_t p) { return eviction_key(score[p], p); }, keep);
+  }
+
+ private:
+  static const h2o_config& checked(const h2o_config& c) {
+    const detail::site w{"h2o_policy", "constructor"};
+    if (c.heavy < 0) detail::fail<budget_error>(w, "config.heavy", "= ", c.heavy, " is negative");
+    if (c.recent < 0) detail::fail<budget_error>(w, "config.recent", "= ", c.recent, " is negative");
+    return c;
+  }
+
+  h2o_config config_;
+};
+
+}  // namespace kvevict

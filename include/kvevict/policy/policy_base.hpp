@@ -1,0 +1,481 @@
+#pragma once
+// policy_base: the decode cycle and prefill compression (DESIGN §3) shared by
+// every policy. A policy supplies two decisions through CRTP:
+//
+//   std::int32_t choose_victim(b, h) const;   // slot to free, among occupied
+//   void select_keep(b, h, L, const float* prefill_scores,
+//                    std::int32_t* keep) const; // positions, ascending
+//
+// and inherits the rest: slot bookkeeping, validated score updates from every
+// input of score_inputs.hpp, eviction with zero K/V bytes moved, and prefill
+// compaction on any kv_view. Every public call validates first and commits
+// after, so a thrown kvevict::error leaves the policy and the cache unchanged.
+// All buffers are sized at construction: the decode path allocates nothing.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "kvevict/compaction.hpp"
+#include "kvevict/error.hpp"
+#include "kvevict/kv_view.hpp"
+#include "kvevict/order.hpp"
+#include "kvevict/policy/policy_shape.hpp"
+#include "kvevict/policy/score_increments.hpp"
+#include "kvevict/score_inputs.hpp"
+#include "kvevict/slot_table.hpp"
+
+namespace kvevict {
+
+template <class Derived>
+class policy_base {
+ public:
+  const policy_shape& shape() const noexcept { return shape_; }
+  std::int32_t budget() const noexcept { return budget_; }
+  const slot_table& slots() const noexcept { return slots_; }
+
+  /// Slot that sequence b's next token takes in KV head h (DESIGN §3 step 1),
+  /// or -1 when every slot is occupied (evict first).
+  std::int32_t next_slot(std::int32_t b, std::int32_t h) const {
+    require_head(where("next_slot"), b, h);
+    return slots_.next_slot(b, h);
+  }
+  /// Tokens sequence b has seen; the position its next token gets.
+  std::int32_t length(std::int32_t b) const {
+    detail::require_index(where("length"), "sequence", b, shape_.num_seqs);
+    return slots_.length(b);
+  }
+  /// Accumulated score of slot s of (b, h); 0 for a free slot.
+  float score(std::int32_t b, std::int32_t h, std::int32_t s) const {
+    require_head(where("score"), b, h);
+    detail::require_index(where("score"), "slot", s, shape_.capacity);
+    return scores_of(b, h)[s];
+  }
+  const float* scores_of(std::int32_t b, std::int32_t h) const noexcept {
+    return scores_.data() + head_index(b, h) * shape_.capacity;
+  }
+
+  /// Records sequence b's next token (position length(b)) in next_slot(b, h)
+  /// of every KV head and returns its position. The engine writes the K/V
+  /// rows there (before or after this call) and runs attention over it.
+  std::int32_t append(std::int32_t b) {
+    const detail::site w = where("append");
+    detail::require_index(w, "sequence", b, shape_.num_seqs);
+    for (std::int32_t h = 0; h < shape_.num_kv_heads; ++h)
+      if (slots_.next_slot(b, h) < 0)
+        detail::fail_state<state_error>(w, "sequence ", b, " head ", h, " has no free slot (count ", slots_.count(b, h),
+                                        " = capacity); call evict after observe");
+    const std::int32_t position = slots_.length(b);
+    for (std::int32_t h = 0; h < shape_.num_kv_heads; ++h) {
+      const std::int32_t s = slots_.next_slot(b, h);
+      slots_.positions_of(b, h)[s] = position;
+      mutable_scores(b, h)[s] = 0.0f;
+      const std::int32_t count = ++slots_.count_ref(b, h);
+      slots_.next_slot_ref(b, h) = count < shape_.capacity ? count : -1;
+    }
+    slots_.length_ref(b) = position + 1;
+    return position;
+  }
+
+  /// Forgets sequence b (a finished request); its slots become free.
+  void reset(std::int32_t b) {
+    detail::require_index(where("reset"), "sequence", b, shape_.num_seqs);
+    slots_.clear(b);
+    for (std::int32_t h = 0; h < shape_.num_kv_heads; ++h) std::fill_n(mutable_scores(b, h), shape_.capacity, 0.0f);
+  }
+
+  /// Decode step (DESIGN §3 step 5): when sequence b holds more than budget
+  /// tokens, frees one victim slot per KV head; no K/V bytes move. Writes the
+  /// victims' slots to victim_slots[h] (-1 when nothing was evicted) if given
+  /// and returns the number of slots freed.
+  std::int32_t evict(std::int32_t b, std::int32_t* victim_slots = nullptr) {
+    const detail::site w = where("evict");
+    detail::require_index(w, "sequence", b, shape_.num_seqs);
+    const std::int32_t heads = shape_.num_kv_heads;
+    if (slots_.count(b, 0) <= budget_) {
+      if (victim_slots) std::fill_n(victim_slots, heads, -1);
+      return 0;
+    }
+    // Decide every head before changing any, so a failure changes nothing.
+    for (std::int32_t h = 0; h < heads; ++h) {
+      const std::int32_t s = derived().choose_victim(b, h);
+      if (s < 0) detail::fail_state<state_error>(w, "sequence ", b, " head ", h, " has no evictable token");
+      victims_[std::size_t(h)] = s;
+    }
+    for (std::int32_t h = 0; h < heads; ++h) {
+      const std::int32_t s = victims_[std::size_t(h)];
+      slots_.positions_of(b, h)[s] = -1;
+      mutable_scores(b, h)[s] = 0.0f;  // a freed slot's score is discarded
+      --slots_.count_ref(b, h);
+      slots_.next_slot_ref(b, h) = s;
+      if (victim_slots) victim_slots[h] = s;
+    }
+    return heads;
+  }
+
+  // ---- decode scores (DESIGN §4); call after attention, before evict ----
+
+  /// Adds reduce over the group of probs(q, s) to every occupied slot.
+  void observe(std::int32_t b, const decode_probs& in) {
+    const detail::site w = where("observe");
+    require_decoding(w, b);
+    const std::int32_t expected[2] = {shape_.num_q_heads, occupied_width(b)};
+    const bool at_least[2] = {false, true};
+    detail::require_extents(w, "probs", in.probs, expected, at_least);
+    detail::reduce_groups(
+        w, "probs", group(), expected[1], occupied(b), [&](std::int32_t q, std::int32_t s) { return in.probs(q, s); },
+        scratch_.data(), shape_.capacity);
+    commit_increments(b);
+  }
+
+  /// Adds per-KV-head increments the engine reduced itself.
+  void observe(std::int32_t b, const head_scores& in) {
+    const detail::site w = where("observe");
+    require_decoding(w, b);
+    const std::int32_t expected[2] = {shape_.num_kv_heads, occupied_width(b)};
+    const bool at_least[2] = {false, true};
+    detail::require_extents(w, "scores", in.scores, expected, at_least);
+    const auto wanted = occupied(b);
+    for (std::int32_t h = 0; h < shape_.num_kv_heads; ++h)
+      for (std::int32_t s = 0; s < expected[1]; ++s)
+        if (wanted(h, s)) {
+          const float x = in.scores(h, s);
+          detail::require_finite(w, detail::concat("scores[", h, "][", s, "]"), x);
+          scratch_[std::size_t(h) * shape_.capacity + s] = x;
+        }
+    commit_increments(b);
+  }
+
+  /// Fused-attention path: recomputes prob = exp(q . k_s * scale - lse) from
+  /// the cached keys, so no probability matrix is needed.
+  template <class Q, class T, class Layout>
+  void observe(std::int32_t b, const decode_queries<Q>& in, const kv_view<T, Layout>& view) {
+    const detail::site w = where("observe");
+    require_decoding(w, b);
+    require_view(w, view);
+    require_decode_queries(w, in, view.head_dim);
+    const auto wanted = occupied(b);
+    require_rows(w, view, b, occupied_width(b), wanted);
+    const std::int32_t g = shape_.group_size();
+    detail::reduce_groups(
+        w, "probs from (q, lse)", group(), occupied_width(b), wanted,
+        [&](std::int32_t q, std::int32_t s) {
+          const float logit = detail::dot(&in.q(q, 0), in.q.strides[1], view.k_row(b, q / g, s), view.head_dim);
+          return std::exp(logit * in.scale - detail::natural_lse(in.lse(q), in.base));
+        },
+        scratch_.data(), shape_.capacity);
+    commit_increments(b);
+  }
+
+  // ---- prefill compression (DESIGN §3): prompt position p sits in slot p ----
+
+  /// Scores the prompt from its causal probability matrix, keeps budget
+  /// tokens per KV head and compacts them into slots [0, kept) of `view`.
+  template <class T, class Layout>
+  prefill_result prefill(std::int32_t b, std::int32_t length, const prefill_probs& in,
+                         const kv_view<T, Layout>& view) {
+    const detail::site w = where("prefill");
+    require_prefill(w, b, length);
+    require_view(w, view);
+    const std::int32_t expected[3] = {shape_.num_q_heads, length, length};
+    const bool at_least[3] = {false, true, true};
+    detail::require_extents(w, "probs", in.probs, expected, at_least);
+    detail::reduce_groups(
+        w, "column sums of probs", group(), length, all_columns(),
+        [&](std::int32_t q, std::int32_t p) {
+          float sum = 0.0f;
+          for (std::int32_t i = p; i < length; ++i) {
+            const float x = in.probs(q, i, p);
+            detail::require_probability(w, detail::concat("probs[", q, "]").c_str(), i, p, x);
+            sum += x;
+          }
+          return sum;
+        },
+        scratch_.data(), shape_.capacity);
+    return commit_prefill(w, b, length, &view);
+  }
+
+  /// Scores the prompt from column sums the engine computed.
+  template <class T, class Layout>
+  prefill_result prefill(std::int32_t b, std::int32_t length, const prefill_column_sums& in,
+                         const kv_view<T, Layout>& view) {
+    const detail::site w = where("prefill");
+    require_prefill(w, b, length);
+    require_view(w, view);
+    score_column_sums(w, length, in);
+    return commit_prefill(w, b, length, &view);
+  }
+
+  /// Same as above for engines that compact their own buffers: updates only
+  /// the slot table; afterwards slot s must hold prompt position
+  /// slots().position(b, h, s), i.e. move row slots().position(b, h, s) to s.
+  prefill_result prefill(std::int32_t b, std::int32_t length, const prefill_column_sums& in) {
+    const detail::site w = where("prefill");
+    require_prefill(w, b, length);
+    score_column_sums(w, length, in);
+    return commit_prefill<float, strided_layout>(w, b, length, nullptr);
+  }
+
+  /// Fused-attention prefill: column sums recomputed from every prompt row's
+  /// query and LSE and the cached keys (O(L^2 * head_dim) per query head).
+  template <class Q, class T, class Layout>
+  prefill_result prefill(std::int32_t b, std::int32_t length, const prefill_queries<Q>& in,
+                         const kv_view<T, Layout>& view) {
+    const detail::site w = where("prefill");
+    require_prefill(w, b, length);
+    require_view(w, view);
+    const std::int32_t eq[3] = {shape_.num_q_heads, length, view.head_dim};
+    const bool at_least[3] = {false, true, false};
+    detail::require_extents(w, "q", in.q, eq, at_least);
+    const std::int32_t el[2] = {shape_.num_q_heads, length};
+    detail::require_extents(w, "lse", in.lse, el, at_least);
+    detail::require_scale(w, in.scale);
+    for (std::int32_t q = 0; q < shape_.num_q_heads; ++q)
+      for (std::int32_t i = 0; i < length; ++i) {
+        detail::require_finite(w, detail::concat("lse[", q, "][", i, "]"), in.lse(q, i));
+        for (std::int32_t d = 0; d < view.head_dim; ++d)
+          detail::require_finite(w, detail::concat("q[", q, "][", i, "][", d, "]"), to_float(in.q(q, i, d)));
+      }
+    require_rows(w, view, b, length, all_columns());
+    const std::int32_t g = shape_.group_size();
+    detail::reduce_groups(
+        w, "column sums from (q, lse)", group(), length, all_columns(),
+        [&](std::int32_t q, std::int32_t p) {
+          const auto* key = view.k_row(b, q / g, p);
+          float sum = 0.0f;
+          for (std::int32_t i = p; i < length; ++i) {
+            const float logit = detail::dot(&in.q(q, i, 0), in.q.strides[2], key, view.head_dim);
+            sum += std::exp(logit * in.scale - detail::natural_lse(in.lse(q, i), in.base));
+          }
+          return sum;
+        },
+        scratch_.data(), shape_.capacity);
+    return commit_prefill(w, b, length, &view);
+  }
+
+ protected:
+  policy_base(const char* name, const policy_shape& shape, std::int32_t budget, group_reduce reduce)
+      : name_(name), shape_(shape), budget_(budget), reduce_(reduce) {
+    detail::validate_shape(where("constructor"), shape, budget);
+    slots_ = slot_table(shape.num_seqs, shape.num_kv_heads, shape.capacity);
+    scores_.assign(std::size_t(shape.num_seqs) * shape.num_kv_heads * shape.capacity, 0.0f);
+    scratch_.assign(std::size_t(shape.num_kv_heads) * shape.capacity, 0.0f);
+    keep_.assign(std::size_t(shape.num_kv_heads) * shape.capacity, 0);
+    order_.assign(std::size_t(shape.capacity), 0);
+    victims_.assign(std::size_t(shape.num_kv_heads), -1);
+  }
+
+  Derived& derived() noexcept { return static_cast<Derived&>(*this); }
+  const Derived& derived() const noexcept { return static_cast<const Derived&>(*this); }
+
+  /// "policy::function", for messages.
+  detail::site where(const char* function) const noexcept { return {name_, function}; }
+
+  std::int64_t head_index(std::int32_t b, std::int32_t h) const noexcept {
+    return std::int64_t{b} * shape_.num_kv_heads + h;
+  }
+  float* mutable_scores(std::int32_t b, std::int32_t h) noexcept {
+    return scores_.data() + head_index(b, h) * shape_.capacity;
+  }
+
+  /// The occupied slot of (b, h) with the lowest key(slot, position) among
+  /// positions in [sinks, length(b) - recent), or -1 if there is none.
+  template <class Key>
+  std::int32_t min_key_victim(std::int32_t b, std::int32_t h, std::int32_t sinks, std::int32_t recent,
+                              Key key) const {
+    const std::int32_t* pos = slots_.positions_of(b, h);
+    const std::int32_t end = slots_.length(b) - recent;
+    std::int32_t victim = -1;
+    std::uint64_t best = std::numeric_limits<std::uint64_t>::max();
+    for (std::int32_t s = 0; s < shape_.capacity; ++s) {
+      const std::int32_t p = pos[s];
+      if (p < sinks || p >= end) continue;  // free slots have p = -1 < sinks
+      const std::uint64_t k = key(s, p);
+      if (victim < 0 || k < best) {
+        best = k;
+        victim = s;
+      }
+    }
+    return victim;
+  }
+
+  /// Prefill keep set of positions [0, L): the first `sinks` and the last
+  /// `recent` positions, plus the budget - sinks - recent candidates in
+  /// between with the highest key(p); written ascending to keep[0, budget).
+  /// When L <= budget every position is kept.
+  template <class Key>
+  void keep_top_keys(std::int32_t length, std::int32_t sinks, std::int32_t recent, Key key,
+                     std::int32_t* keep) const {
+    if (length <= budget_) {
+      for (std::int32_t p = 0; p < length; ++p) keep[p] = p;
+      return;
+    }
+    const std::int32_t lo = std::min(sinks, length), hi = std::max(lo, length - recent);
+    const std::int32_t take = budget_ - lo - (length - hi);
+    std::int32_t n = 0;
+    for (std::int32_t p = 0; p < lo; ++p) keep[n++] = p;
+    std::int32_t* cand = order_.data();
+    for (std::int32_t p = lo; p < hi; ++p) cand[p - lo] = p;
+    const auto higher = [&](std::int32_t a, std::int32_t c) { return key(a) > key(c); };
+    std::nth_element(cand, cand + take, cand + (hi - lo), higher);
+    std::sort(cand, cand + take);
+    for (std::int32_t i = 0; i < take; ++i) keep[n++] = cand[i];
+    for (std::int32_t p = hi; p < length; ++p) keep[n++] = p;
+  }
+
+  /// Prefill for policies that need no scores (recent window, random).
+  template <class T, class Layout>
+  prefill_result prefill_without_scores(std::int32_t b, std::int32_t length, const kv_view<T, Layout>& view) {
+    const detail::site w = where("prefill");
+    require_prefill(w, b, length);
+    require_view(w, view);
+    std::fill(scratch_.begin(), scratch_.end(), 0.0f);
+    return commit_prefill(w, b, length, &view);
+  }
+
+  /// Prefill scores of (h, p) written by the prefill overloads.
+  const float* prefill_scores(std::int32_t h) const noexcept {
+    return scratch_.data() + std::size_t(h) * shape_.capacity;
+  }
+
+  template <class T, class Layout>
+  void require_view(const detail::site& w, const kv_view<T, Layout>& view) const {
+    validate(w, view);
+    if (view.num_seqs != shape_.num_seqs)
+      detail::fail<invalid_argument>(w, "view.num_seqs", "= ", view.num_seqs, ", the policy has ", shape_.num_seqs);
+    if (view.num_heads != shape_.num_kv_heads)
+      detail::fail<invalid_argument>(w, "view.num_heads", "= ", view.num_heads, ", the policy has ",
+                                     shape_.num_kv_heads, " KV heads");
+    if (view.capacity < shape_.capacity)
+      detail::fail<invalid_argument>(w, "view.capacity", "= ", view.capacity, " is below the policy's capacity ",
+                                     shape_.capacity);
+  }
+
+  template <class T, class Layout, class Wanted>
+  void require_rows(const detail::site& w, const kv_view<T, Layout>& view, std::int32_t b, std::int32_t width,
+                    Wanted wanted) const {
+    for (std::int32_t h = 0; h < shape_.num_kv_heads; ++h)
+      for (std::int32_t s = 0; s < width; ++s)
+        if (wanted(h, s)) require_row(w, view, b, h, s);
+  }
+
+  template <class Q>
+  void require_decode_queries(const detail::site& w, const decode_queries<Q>& in, std::int32_t head_dim) const {
+    const std::int32_t eq[2] = {shape_.num_q_heads, head_dim};
+    const bool exact[2] = {false, false};
+    detail::require_extents(w, "q", in.q, eq, exact);
+    detail::require_queries(w, "q", in.q);
+    detail::require_scale(w, in.scale);
+  }
+
+  void require_head(const detail::site& w, std::int32_t b, std::int32_t h) const {
+    detail::require_index(w, "sequence", b, shape_.num_seqs);
+    detail::require_index(w, "head", h, shape_.num_kv_heads);
+  }
+
+  void require_decoding(const detail::site& w, std::int32_t b) const {
+    detail::require_index(w, "sequence", b, shape_.num_seqs);
+    if (slots_.length(b) == 0) detail::fail_state<state_error>(w, "sequence ", b, " holds no token; call append first");
+  }
+
+  void require_prefill(const detail::site& w, std::int32_t b, std::int32_t length) const {
+    detail::require_index(w, "sequence", b, shape_.num_seqs);
+    if (length < 1 || length > shape_.capacity)
+      detail::fail<out_of_range>(w, "length", "= ", length, " is outside [1, capacity = ", shape_.capacity, "]");
+    if (slots_.length(b) != 0)
+      detail::fail_state<state_error>(w, "sequence ", b, " already holds ", slots_.length(b),
+                                      " tokens; prefill starts a sequence (reset it first)");
+  }
+
+  /// One past the highest occupied slot of any head of b.
+  std::int32_t occupied_width(std::int32_t b) const noexcept {
+    std::int32_t width = 0;
+    for (std::int32_t h = 0; h < shape_.num_kv_heads; ++h) {
+      const std::int32_t* pos = slots_.positions_of(b, h);
+      for (std::int32_t s = shape_.capacity - 1; s >= width; --s)
+        if (pos[s] >= 0) {
+          width = s + 1;
+          break;
+        }
+    }
+    return width;
+  }
+
+  auto occupied(std::int32_t b) const noexcept {
+    return [this, b](std::int32_t h, std::int32_t s) { return slots_.positions_of(b, h)[s] >= 0; };
+  }
+  static auto all_columns() noexcept {
+    return [](std::int32_t, std::int32_t) { return true; };
+  }
+  detail::group_info group() const noexcept { return {shape_.num_kv_heads, shape_.group_size(), reduce_}; }
+
+  void score_column_sums(const detail::site& w, std::int32_t length, const prefill_column_sums& in) {
+    const std::int32_t expected[2] = {shape_.num_q_heads, length};
+    const bool at_least[2] = {false, true};
+    detail::require_extents(w, "sums", in.sums, expected, at_least);
+    detail::reduce_groups(
+        w, "sums", group(), length, all_columns(), [&](std::int32_t q, std::int32_t p) { return in.sums(q, p); },
+        scratch_.data(), shape_.capacity);
+  }
+
+  /// Adds the validated increments in scratch_ to the occupied slots of b.
+  void commit_increments(std::int32_t b) noexcept {
+    for (std::int32_t h = 0; h < shape_.num_kv_heads; ++h) {
+      const std::int32_t* pos = slots_.positions_of(b, h);
+      const float* inc = scratch_.data() + std::size_t(h) * shape_.capacity;
+      float* score = mutable_scores(b, h);
+      for (std::int32_t s = 0; s < shape_.capacity; ++s)
+        if (pos[s] >= 0) score[s] += inc[s];
+    }
+  }
+
+  /// Selects every head's keep set from the prefill scores in scratch_, then
+  /// moves the kept rows (if a view is given) and rewrites the slot table.
+  template <class T, class Layout>
+  prefill_result commit_prefill(const detail::site& w, std::int32_t b, std::int32_t length,
+                                const kv_view<T, Layout>* view) {
+    if (view) require_rows(w, *view, b, length, all_columns());
+    const std::int32_t kept = std::min(length, budget_);
+    for (std::int32_t h = 0; h < shape_.num_kv_heads; ++h)
+      derived().select_keep(b, h, length, prefill_scores(h), keep_.data() + std::size_t(h) * shape_.capacity);
+    for (std::int32_t h = 0; h < shape_.num_kv_heads; ++h) {
+      const std::int32_t* keep = keep_.data() + std::size_t(h) * shape_.capacity;
+      if (view) detail::compact_rows(*view, b, h, keep, kept, static_cast<T*>(nullptr));
+      std::int32_t* pos = slots_.positions_of(b, h);
+      float* score = mutable_scores(b, h);
+      const float* prefill = prefill_scores(h);
+      for (std::int32_t s = 0; s < shape_.capacity; ++s) {
+        pos[s] = s < kept ? keep[s] : -1;
+        score[s] = s < kept ? prefill[keep[s]] : 0.0f;  // keep[s] >= s: read before overwritten
+      }
+      slots_.count_ref(b, h) = kept;
+      slots_.next_slot_ref(b, h) = kept < shape_.capacity ? kept : -1;
+    }
+    slots_.length_ref(b) = length;
+    prefill_result result;
+    result.kept = kept;
+    if constexpr (std::is_same_v<Layout, paged_layout>) {
+      if (view) {
+        const std::int32_t page = view->layout.page_size;
+        const std::int32_t needed = pages_for(std::min(budget_ + 1, shape_.capacity), page);
+        result.reclaimable_pages = std::max(0, pages_for(length, page) - needed);
+      }
+    }
+    return result;
+  }
+
+  const char* name_;
+  policy_shape shape_;
+  std::int32_t budget_;
+  group_reduce reduce_;
+  slot_table slots_;
+  std::vector<float> scores_;    // [B][Hkv][capacity]
+  std::vector<float> scratch_;   // [Hkv][capacity] increments / prefill scores
+  std::vector<std::int32_t> keep_;     // [Hkv][capacity] prefill keep sets
+  mutable std::vector<std::int32_t> order_;  // [capacity] candidates during selection (scratch)
+  std::vector<std::int32_t> victims_;  // [Hkv]
+};
+
+}  // namespace kvevict

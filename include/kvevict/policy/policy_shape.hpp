@@ -1,0 +1,47 @@
+#pragma once
+// Shapes and results shared by every policy.
+#include <cstdint>
+
+#include "kvevict/error.hpp"
+
+namespace kvevict {
+
+/// The batch a policy manages (one layer): sequences, KV and query heads, and
+/// the physical slots per (sequence, KV head). capacity must be at least
+/// budget + 1 (the spare slot of the decode cycle), and at least the longest
+/// prompt that is compressed by prefill.
+struct policy_shape {
+  std::int32_t num_seqs = 1;
+  std::int32_t num_kv_heads = 1;
+  std::int32_t num_q_heads = 1;  ///< a multiple of num_kv_heads (GQA group size)
+  std::int32_t capacity = 0;
+
+  std::int32_t group_size() const noexcept { return num_q_heads / num_kv_heads; }
+};
+
+/// What prefill compression did to one sequence.
+struct prefill_result {
+  std::int32_t kept = 0;  ///< tokens kept per KV head, now in slots [0, kept)
+  /// For a paged cache: trailing pages of the prompt the sequence no longer
+  /// needs (the spare slot included); the engine may return them to its pool.
+  std::int32_t reclaimable_pages = 0;
+};
+
+namespace detail {
+
+template <class Where>
+void validate_shape(const Where& where, const policy_shape& s, std::int32_t budget) {
+  require_positive(where, "shape.num_seqs", s.num_seqs);
+  require_positive(where, "shape.num_kv_heads", s.num_kv_heads);
+  require_positive(where, "shape.num_q_heads", s.num_q_heads);
+  if (s.num_q_heads % s.num_kv_heads != 0)
+    fail<invalid_argument>(where, "shape.num_q_heads", "= ", s.num_q_heads,
+                           " is not a multiple of shape.num_kv_heads = ", s.num_kv_heads);
+  if (budget < 1) fail<budget_error>(where, "budget", "= ", budget, " must be at least 1");
+  if (s.capacity < budget + 1)
+    fail<budget_error>(where, "shape.capacity", "= ", s.capacity, " cannot hold budget = ", budget,
+                       " plus the spare slot (needs ", budget + 1, ")");
+}
+
+}  // namespace detail
+}  // namespace kvevict

@@ -1,0 +1,77 @@
+#pragma once
+// Random eviction: a baseline that any score-based policy must beat. The
+// victim is uniform among the unprotected tokens, drawn from Philox4x32-10
+// keyed by (seed, sequence, head, position of the newest token), so the host
+// and CUDA backends, and any batch schedule, draw the same victims.
+#include <algorithm>
+#include <cstdint>
+
+#include "kvevict/error.hpp"
+#include "kvevict/philox.hpp"
+#include "kvevict/policy/policy_base.hpp"
+
+namespace kvevict {
+
+struct random_config {
+  std::int32_t budget = 0;
+  std::int32_t sinks = 0;   ///< first positions never evicted
+  std::int32_t recent = 0;  ///< newest positions never evicted
+  std::uint64_t seed = 0;
+};
+
+class random_policy : public policy_base<random_policy> {
+ public:
+  random_policy(const policy_shape& shape, const random_config& config)
+      : policy_base("random_policy", shape, checked(config).budget, group_reduce::sum), config_(config) {}
+
+  const random_config& config() const noexcept { return config_; }
+
+  /// The k-th unprotected token in position order, k uniform in [0, n).
+  std::int32_t choose_victim(std::int32_t b, std::int32_t h) const {
+    const std::int32_t* pos = slots_.positions_of(b, h);
+    const std::int32_t end = slots_.length(b) - config_.recent;
+    std::int32_t* cand = order_.data();
+    std::int32_t n = 0;
+    for (std::int32_t s = 0; s < shape_.capacity; ++s)
+      if (pos[s] >= config_.sinks && pos[s] < end) cand[n++] = s;
+    if (n == 0) return -1;
+    const std::uint32_t draw = random_draw(config_.seed, random_stream::decode_victim, b, h, slots_.length(b) - 1);
+    const std::int32_t k = static_cast<std::int32_t>(uniform_index(draw, static_cast<std::uint32_t>(n)));
+    std::nth_element(cand, cand + k, cand + n, [pos](std::int32_t x, std::int32_t y) { return pos[x] < pos[y]; });
+    return cand[k];
+  }
+
+  /// Sinks, the recent window, and a uniform random subset of the rest: each
+  /// candidate gets a Philox priority, the highest priorities are kept.
+  void select_keep(std::int32_t b, std::int32_t h, std::int32_t length, const float*, std::int32_t* keep) const {
+    keep_top_keys(
+        length, config_.sinks, config_.recent,
+        [&](std::int32_t p) {
+          const std::uint32_t draw = random_draw(config_.seed, random_stream::prefill_priority, b, h, p);
+          return (static_cast<std::uint64_t>(draw) << 32) | static_cast<std::uint32_t>(p);
+        },
+        keep);
+  }
+
+  using policy_base::prefill;
+  /// Prefill needs no scores.
+  template <class T, class Layout>
+  prefill_result prefill(std::int32_t b, std::int32_t length, const kv_view<T, Layout>& view) {
+    return prefill_without_scores(b, length, view);
+  }
+
+ private:
+  static const random_config& checked(const random_config& c) {
+    const detail::site w{"random_policy", "constructor"};
+    if (c.sinks < 0) detail::fail<budget_error>(w, "config.sinks", "= ", c.sinks, " is negative");
+    if (c.recent < 0) detail::fail<budget_error>(w, "config.recent", "= ", c.recent, " is negative");
+    if (std::int64_t{c.sinks} + c.recent >= c.budget)
+      detail::fail<budget_error>(w, "config.sinks + config.recent", "= ", std::int64_t{c.sinks} + c.recent,
+                                 " leaves no evictable token within budget = ", c.budget);
+    return c;
+  }
+
+  random_config config_;
+};
+
+}  // namespace kvevict

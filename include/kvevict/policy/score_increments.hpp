@@ -1,0 +1,98 @@
+#pragma once
+// Turning each score input (score_inputs.hpp) into one float per
+// (KV head, slot): the GQA group reduction of DESIGN §4, with validation.
+//
+// Results go to a caller buffer first and are committed only when every value
+// has been checked, which is how observe/prefill keep the strong guarantee.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "kvevict/dtype/convert.hpp"
+#include "kvevict/error.hpp"
+#include "kvevict/kv_view.hpp"
+#include "kvevict/score_inputs.hpp"
+#include "kvevict/tensor_view.hpp"
+
+namespace kvevict {
+namespace detail {
+
+struct group_info {
+  std::int32_t num_kv_heads;
+  std::int32_t group_size;
+  group_reduce reduce;
+};
+
+/// A probability (or a sum of them) must be finite and not negative.
+template <class Where>
+void require_probability(const Where& where, const char* arg, std::int32_t i, std::int32_t j, float x) {
+  if (std::isnan(x)) fail<non_finite_error>(where, concat(arg, "[", i, "][", j, "]"), "is NaN");
+  if (std::isinf(x)) fail<non_finite_error>(where, concat(arg, "[", i, "][", j, "]"), "is ", x);
+  if (x < 0.0f) fail<invalid_argument>(where, concat(arg, "[", i, "][", j, "]"), "= ", x, " is negative");
+}
+
+template <class Where>
+void require_finite(const Where& where, const std::string& arg, float x) {
+  if (!std::isfinite(x)) fail<non_finite_error>(where, arg, "is ", std::isnan(x) ? "NaN" : (x > 0 ? "inf" : "-inf"));
+}
+
+/// out[h * out_stride + c] = reduce over the query heads q of group h of
+/// value(q, c), for every column c with wanted(h, c). value() returns a
+/// probability mass; it is validated here under the name `arg`.
+template <class Where, class Wanted, class Value>
+void reduce_groups(const Where& where, const char* arg, const group_info& g, std::int32_t columns, Wanted wanted,
+                   Value value, float* out, std::int64_t out_stride) {
+  for (std::int32_t h = 0; h < g.num_kv_heads; ++h) {
+    float* row = out + h * out_stride;
+    for (std::int32_t c = 0; c < columns; ++c) {
+      if (!wanted(h, c)) continue;
+      float acc = 0.0f;
+      for (std::int32_t j = 0; j < g.group_size; ++j) {
+        const std::int32_t q = h * g.group_size + j;
+        const float x = value(q, c);
+        require_probability(where, arg, q, c, x);
+        acc = g.reduce == group_reduce::max ? std::max(acc, x) : acc + x;
+      }
+      row[c] = g.reduce == group_reduce::mean ? acc / static_cast<float>(g.group_size) : acc;
+    }
+  }
+}
+
+template <class A, class B>
+float dot(const A* a, std::int64_t a_stride, const B* b, std::int32_t n) noexcept {
+  float acc = 0.0f;
+  for (std::int32_t d = 0; d < n; ++d) acc += to_float(a[d * a_stride]) * to_float(b[d]);
+  return acc;
+}
+
+inline float natural_lse(float lse, lse_base base) noexcept {
+  return base == lse_base::base2 ? lse * 0.69314718055994530942f : lse;
+}
+
+template <class Where, class V>
+void require_extents(const Where& where, const char* arg, const V& view, const std::int32_t* expected,
+                     const bool* at_least) {
+  require_not_null(where, arg, view.data);
+  for (int d = 0; d < V::rank; ++d) {
+    const bool ok = at_least[d] ? view.extents[d] >= expected[d] : view.extents[d] == expected[d];
+    if (!ok)
+      fail<invalid_argument>(where, concat(arg, ".extents[", d, "]"), "= ", view.extents[d], ", expected ",
+                             at_least[d] ? "at least " : "", expected[d]);
+  }
+}
+
+template <class Where, class Q>
+void require_queries(const Where& where, const char* arg, const tensor_view<const Q, 2>& q) {
+  for (std::int32_t i = 0; i < q.extents[0]; ++i)
+    for (std::int32_t d = 0; d < q.extents[1]; ++d)
+      require_finite(where, concat(arg, "[", i, "][", d, "]"), to_float(q(i, d)));
+}
+
+template <class Where>
+void require_scale(const Where& where, float scale) {
+  if (!std::isfinite(scale) || scale <= 0.0f)
+    fail<invalid_argument>(where, "scale", "= ", scale, " must be finite and positive");
+}
+
+}  // namespace detail
+}  // namespace kvevict
