@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Installs the Debian packages the given build needs, skipping those present.
+#   scripts/install-deps.sh demo   -> compiler and CMake
+#   scripts/install-deps.sh tests  -> plus doctest and Google Benchmark
+set -euo pipefail
+packages=(g++ cmake make)
+if [ "${1:-tests}" = tests ]; then packages+=(doctest-dev libbenchmark-dev); fi
+missing=()
+for p in "${packages[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+[ ${#missing[@]} -eq 0 ] && exit 0
+sudo=""
+[ "$(id -u)" -ne 0 ] && sudo=sudo
+echo "installing: ${missing[*]}"
+$sudo apt-get update -qq
+DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}"
