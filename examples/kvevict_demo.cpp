@@ -122,7 +122,7 @@ void run(const options& o, MakeCache make_cache) {
   using namespace kvevict;
   const std::int32_t B = o.seqs, H = o.heads, Hq = o.heads * o.group, D = o.head_dim, L = o.steps;
   const h2o_config h2o = h2o_from_ratios(L, o.budget / 2, o.budget / 2);
-  const std::int32_t budget = h2o.budget();
+  const auto budget = static_cast<std::int32_t>(h2o.budget());
   const std::int32_t capacity = budget + 1;
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   const policy_shape shape{B, H, Hq, capacity};

@@ -90,7 +90,7 @@ struct h2o_case {
     c.config.reduce = reduce;
     return c;
   }
-  std::int32_t budget() const { return config.budget(); }
+  std::int32_t budget() const { return static_cast<std::int32_t>(config.budget()); }
   policy_type make(const policy_shape& s) const { return policy_type(s, config); }
   // Keep: top `heavy` by score among positions < len - recent, plus the last `recent`.
   template <class T>
@@ -115,7 +115,7 @@ struct recent_window_case {
     } while (c.config.budget() < 1);
     return c;
   }
-  std::int32_t budget() const { return config.budget(); }
+  std::int32_t budget() const { return static_cast<std::int32_t>(config.budget()); }
   policy_type make(const policy_shape& s) const { return policy_type(s, config); }
   template <class T>
   std::vector<std::int32_t> keep(const ref_head<T>& head, std::int32_t len, std::int32_t, std::int32_t,

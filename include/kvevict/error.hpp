@@ -5,7 +5,7 @@
 // anything, so a thrown kvevict::error always leaves the cache and the policy
 // exactly as they were (strong guarantee). Messages name the function, the
 // argument and the offending value, e.g.
-//   "kvevict::h2o_policy::observe: argument 'probs[b=0][q=3][s=17]' is NaN"
+//   "kvevict::h2o_policy::observe: argument 'probs[3][17]' is NaN"
 #include <sstream>
 #include <stdexcept>
 #include <string>

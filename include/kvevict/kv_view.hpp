@@ -100,6 +100,17 @@ void require_layout(const Where& where, const paged_layout& l, std::int32_t /*nu
                            " makes pages overlap (needs at least ", per_page, ")");
 }
 
+/// Elements from a buffer's start to the end of its last row.
+inline std::int64_t span_elements(const strided_layout& l, std::int32_t num_seqs, std::int32_t num_heads,
+                                  std::int32_t capacity, std::int32_t head_dim) noexcept {
+  return l.stride_seq * (num_seqs - 1) + l.stride_head * (num_heads - 1) + l.stride_slot * (capacity - 1) + head_dim;
+}
+inline std::int64_t span_elements(const paged_layout& l, std::int32_t, std::int32_t num_heads, std::int32_t,
+                                  std::int32_t head_dim) noexcept {
+  return l.stride_page * (l.num_pages - 1) + l.stride_head * (num_heads - 1) + l.stride_slot * (l.page_size - 1) +
+         head_dim;
+}
+
 }  // namespace detail
 
 /// Throws unless `view` is usable: non-null buffers, positive shape, strides
@@ -113,8 +124,13 @@ void validate(const Where& where, const kv_view<T, Layout>& view) {
   detail::require_positive(where, "view.num_heads", view.num_heads);
   detail::require_positive(where, "view.capacity", view.capacity);
   detail::require_positive(where, "view.head_dim", view.head_dim);
-  if (view.k == view.v) detail::fail<invalid_argument>(where, "view.v", "aliases view.k");
   detail::require_layout(where, view.layout, view.num_seqs, view.num_heads, view.capacity, view.head_dim);
+  // K and V must not share memory, or moving one would corrupt the other.
+  const auto bytes = static_cast<std::uintptr_t>(
+      detail::span_elements(view.layout, view.num_seqs, view.num_heads, view.capacity, view.head_dim) * sizeof(T));
+  const auto k = reinterpret_cast<std::uintptr_t>(view.k), v = reinterpret_cast<std::uintptr_t>(view.v);
+  if (k < v + bytes && v < k + bytes)
+    detail::fail<invalid_argument>(where, "view.v", "overlaps view.k (each spans ", bytes, " bytes)");
 }
 
 /// Throws unless (b, h, s) is inside the view and, for a paged view, its page

@@ -19,13 +19,14 @@ struct h2o_config {
   std::int32_t recent = 0;  ///< newest tokens always kept (the newest included)
   group_reduce reduce = group_reduce::sum;
 
-  std::int32_t budget() const noexcept { return heavy + recent; }
+  /// heavy + recent, computed in 64 bits (the constructor rejects overflow).
+  std::int64_t budget() const noexcept { return std::int64_t{heavy} + recent; }
 };
 
 class h2o_policy : public policy_base<h2o_policy> {
  public:
   h2o_policy(const policy_shape& shape, const h2o_config& config)
-      : policy_base("h2o_policy", shape, checked(config).budget(), config.reduce), config_(config) {}
+      : policy_base("h2o_policy", shape, checked_budget(config), config.reduce), config_(config) {}
 
   const h2o_config& config() const noexcept { return config_; }
 
@@ -40,11 +41,11 @@ class h2o_policy : public policy_base<h2o_policy> {
   }
 
  private:
-  static const h2o_config& checked(const h2o_config& c) {
+  static std::int32_t checked_budget(const h2o_config& c) {
     const detail::site w{"h2o_policy", "constructor"};
     if (c.heavy < 0) detail::fail<budget_error>(w, "config.heavy", "= ", c.heavy, " is negative");
     if (c.recent < 0) detail::fail<budget_error>(w, "config.recent", "= ", c.recent, " is negative");
-    return c;
+    return detail::budget_sum(w, "config.heavy + config.recent", c.heavy, c.recent);
   }
 
   h2o_config config_;

@@ -142,7 +142,7 @@ class policy_base {
       for (std::int32_t s = 0; s < expected[1]; ++s)
         if (wanted(h, s)) {
           const float x = in.scores(h, s);
-          detail::require_finite(w, detail::concat("scores[", h, "][", s, "]"), x);
+          detail::require_finite(w, "scores", x, h, s);
           scratch_[std::size_t(h) * shape_.capacity + s] = x;
         }
     commit_increments(b);
@@ -156,6 +156,11 @@ class policy_base {
     require_decoding(w, b);
     require_view(w, view);
     require_decode_queries(w, in, view.head_dim);
+    const std::int32_t el[1] = {shape_.num_q_heads};
+    const bool exact[1] = {false};
+    detail::require_extents(w, "lse", in.lse, el, exact);
+    for (std::int32_t q = 0; q < shape_.num_q_heads; ++q)
+      detail::require_finite(w, "lse", in.lse(q), q);
     const auto wanted = occupied(b);
     require_rows(w, view, b, occupied_width(b), wanted);
     const std::int32_t g = shape_.group_size();
@@ -188,7 +193,7 @@ class policy_base {
           float sum = 0.0f;
           for (std::int32_t i = p; i < length; ++i) {
             const float x = in.probs(q, i, p);
-            detail::require_probability(w, detail::concat("probs[", q, "]").c_str(), i, p, x);
+            detail::require_probability(w, "probs", x, q, i, p);
             sum += x;
           }
           return sum;
@@ -234,9 +239,9 @@ class policy_base {
     detail::require_scale(w, in.scale);
     for (std::int32_t q = 0; q < shape_.num_q_heads; ++q)
       for (std::int32_t i = 0; i < length; ++i) {
-        detail::require_finite(w, detail::concat("lse[", q, "][", i, "]"), in.lse(q, i));
+        detail::require_finite(w, "lse", in.lse(q, i), q, i);
         for (std::int32_t d = 0; d < view.head_dim; ++d)
-          detail::require_finite(w, detail::concat("q[", q, "][", i, "][", d, "]"), to_float(in.q(q, i, d)));
+          detail::require_finite(w, "q", to_float(in.q(q, i, d)), q, i, d);
       }
     require_rows(w, view, b, length, all_columns());
     const std::int32_t g = shape_.group_size();

@@ -29,6 +29,16 @@ struct prefill_result {
 
 namespace detail {
 
+/// The sum of two budget parts, rejected unless it leaves room for the spare
+/// slot in an int32 (parts are checked non-negative first).
+template <class Where>
+std::int32_t budget_sum(const Where& where, const char* parts, std::int32_t a, std::int32_t b) {
+  const std::int64_t sum = std::int64_t{a} + b;
+  if (sum >= std::int64_t{INT32_MAX})
+    fail<budget_error>(where, parts, "= ", sum, " is too large (the capacity budget + 1 must fit in int32)");
+  return static_cast<std::int32_t>(sum);
+}
+
 template <class Where>
 void validate_shape(const Where& where, const policy_shape& s, std::int32_t budget) {
   require_positive(where, "shape.num_seqs", s.num_seqs);
@@ -38,9 +48,9 @@ void validate_shape(const Where& where, const policy_shape& s, std::int32_t budg
     fail<invalid_argument>(where, "shape.num_q_heads", "= ", s.num_q_heads,
                            " is not a multiple of shape.num_kv_heads = ", s.num_kv_heads);
   if (budget < 1) fail<budget_error>(where, "budget", "= ", budget, " must be at least 1");
-  if (s.capacity < budget + 1)
+  if (s.capacity < std::int64_t{budget} + 1)
     fail<budget_error>(where, "shape.capacity", "= ", s.capacity, " cannot hold budget = ", budget,
-                       " plus the spare slot (needs ", budget + 1, ")");
+                       " plus the spare slot (needs ", std::int64_t{budget} + 1, ")");
 }
 
 }  // namespace detail

@@ -14,13 +14,14 @@ struct recent_window_config {
   std::int32_t sinks = 0;
   std::int32_t window = 0;
 
-  std::int32_t budget() const noexcept { return sinks + window; }
+  /// sinks + window, computed in 64 bits (the constructor rejects overflow).
+  std::int64_t budget() const noexcept { return std::int64_t{sinks} + window; }
 };
 
 class recent_window_policy : public policy_base<recent_window_policy> {
  public:
   recent_window_policy(const policy_shape& shape, const recent_window_config& config)
-      : policy_base("recent_window_policy", shape, checked(config).budget(), group_reduce::sum), config_(config) {}
+      : policy_base("recent_window_policy", shape, checked_budget(config), group_reduce::sum), config_(config) {}
 
   const recent_window_config& config() const noexcept { return config_; }
 
@@ -42,11 +43,11 @@ class recent_window_policy : public policy_base<recent_window_policy> {
   }
 
  private:
-  static const recent_window_config& checked(const recent_window_config& c) {
+  static std::int32_t checked_budget(const recent_window_config& c) {
     const detail::site w{"recent_window_policy", "constructor"};
     if (c.sinks < 0) detail::fail<budget_error>(w, "config.sinks", "= ", c.sinks, " is negative");
     if (c.window < 0) detail::fail<budget_error>(w, "config.window", "= ", c.window, " is negative");
-    return c;
+    return detail::budget_sum(w, "config.sinks + config.window", c.sinks, c.window);
   }
 
   recent_window_config config_;

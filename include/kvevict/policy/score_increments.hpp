@@ -23,17 +23,24 @@ struct group_info {
   group_reduce reduce;
 };
 
-/// A probability (or a sum of them) must be finite and not negative.
-template <class Where>
-void require_probability(const Where& where, const char* arg, std::int32_t i, std::int32_t j, float x) {
-  if (std::isnan(x)) fail<non_finite_error>(where, concat(arg, "[", i, "][", j, "]"), "is NaN");
-  if (std::isinf(x)) fail<non_finite_error>(where, concat(arg, "[", i, "][", j, "]"), "is ", x);
-  if (x < 0.0f) fail<invalid_argument>(where, concat(arg, "[", i, "][", j, "]"), "= ", x, " is negative");
+/// Throws non_finite_error naming arg[i][j]... unless x is finite. The name
+/// is built only on failure, so validation allocates nothing.
+template <class Where, class... Index>
+void require_finite(const Where& where, const char* arg, float x, Index... index) {
+  if (std::isfinite(x)) return;
+  std::string name = arg;
+  ((name += concat("[", index, "]")), ...);
+  fail<non_finite_error>(where, name, "is ", std::isnan(x) ? "NaN" : (x > 0 ? "inf" : "-inf"));
 }
 
-template <class Where>
-void require_finite(const Where& where, const std::string& arg, float x) {
-  if (!std::isfinite(x)) fail<non_finite_error>(where, arg, "is ", std::isnan(x) ? "NaN" : (x > 0 ? "inf" : "-inf"));
+/// A probability (or a sum of them) must be finite and not negative.
+template <class Where, class... Index>
+void require_probability(const Where& where, const char* arg, float x, Index... index) {
+  require_finite(where, arg, x, index...);
+  if (x >= 0.0f) return;
+  std::string name = arg;
+  ((name += concat("[", index, "]")), ...);
+  fail<invalid_argument>(where, name, "= ", x, " is negative");
 }
 
 /// out[h * out_stride + c] = reduce over the query heads q of group h of
@@ -50,7 +57,7 @@ void reduce_groups(const Where& where, const char* arg, const group_info& g, std
       for (std::int32_t j = 0; j < g.group_size; ++j) {
         const std::int32_t q = h * g.group_size + j;
         const float x = value(q, c);
-        require_probability(where, arg, q, c, x);
+        require_probability(where, arg, x, q, c);
         acc = g.reduce == group_reduce::max ? std::max(acc, x) : acc + x;
       }
       row[c] = g.reduce == group_reduce::mean ? acc / static_cast<float>(g.group_size) : acc;
@@ -85,7 +92,7 @@ template <class Where, class Q>
 void require_queries(const Where& where, const char* arg, const tensor_view<const Q, 2>& q) {
   for (std::int32_t i = 0; i < q.extents[0]; ++i)
     for (std::int32_t d = 0; d < q.extents[1]; ++d)
-      require_finite(where, concat(arg, "[", i, "][", d, "]"), to_float(q(i, d)));
+      require_finite(where, arg, to_float(q(i, d)), i, d);
 }
 
 template <class Where>
