@@ -27,7 +27,7 @@
 namespace {
 
 struct options {
-  std::int32_t steps = 2048, seqs = 3, heads = 8, group = 1, head_dim = 128, page_size = 16;
+  std::int32_t steps = 2048, seqs = 4, heads = 8, group = 1, head_dim = 128, page_size = 16;
   double budget = 0.2;
   std::string dtype = "bfloat16", layout = "bhsd";
   std::uint64_t seed = 1;
