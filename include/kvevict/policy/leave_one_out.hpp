@@ -30,6 +30,26 @@ inline double scaled_dot(const float* q, const float* k, std::int32_t d, float s
   for (; i < d; ++i) acc[0] += double(q[i]) * double(k[i]);
   return ((acc[0] + acc[1]) + (acc[2] + acc[3])) * double(scale);
 }
+
+// Unnormalised softmax terms over rows[0, n): e[j] = exp(logit_j - max) and
+// num = sum_j e[j] * values[rows[j]]; returns Z = sum_j e[j].
+inline double softmax_terms(const float* q, const float* keys, const float* values, std::int32_t head_dim,
+                            float scale, const std::int32_t* rows, std::int32_t n, double* e, double* num) {
+  double m = -std::numeric_limits<double>::infinity();
+  for (std::int32_t j = 0; j < n; ++j) {
+    e[j] = scaled_dot(q, keys + std::size_t(rows[j]) * head_dim, head_dim, scale);
+    m = std::max(m, e[j]);
+  }
+  std::fill_n(num, head_dim, 0.0);
+  double z = 0.0;
+  for (std::int32_t j = 0; j < n; ++j) {
+    e[j] = std::exp(e[j] - m);
+    z += e[j];
+    const float* v = values + std::size_t(rows[j]) * head_dim;
+    for (std::int32_t i = 0; i < head_dim; ++i) num[i] += e[j] * v[i];
+  }
+  return z;
+}
 }  // namespace detail
 
 /// out = softmax over rows r of (q . keys[r] * scale) applied to values[r];
@@ -37,20 +57,7 @@ inline double scaled_dot(const float* q, const float* k, std::int32_t d, float s
 /// work: leave_one_out_work_size(n, head_dim) doubles.
 inline void attention_output(const float* q, const float* keys, const float* values, std::int32_t head_dim,
                              float scale, const std::int32_t* rows, std::int32_t n, double* out, double* work) {
-  double* logit = work;
-  double m = -std::numeric_limits<double>::infinity();
-  for (std::int32_t j = 0; j < n; ++j) {
-    logit[j] = detail::scaled_dot(q, keys + std::size_t(rows[j]) * head_dim, head_dim, scale);
-    m = std::max(m, logit[j]);
-  }
-  std::fill_n(out, head_dim, 0.0);
-  double z = 0.0;
-  for (std::int32_t j = 0; j < n; ++j) {
-    const double e = std::exp(logit[j] - m);
-    z += e;
-    const float* v = values + std::size_t(rows[j]) * head_dim;
-    for (std::int32_t i = 0; i < head_dim; ++i) out[i] += e * v[i];
-  }
+  const double z = detail::softmax_terms(q, keys, values, head_dim, scale, rows, n, work, out);
   for (std::int32_t i = 0; i < head_dim; ++i) out[i] /= z;
 }
 
@@ -63,19 +70,7 @@ inline void add_leave_one_out_errors(const float* q, const float* keys, const fl
                                      double* errors, double* work) {
   double* e = work;
   double* num = work + n;
-  double m = -std::numeric_limits<double>::infinity();
-  for (std::int32_t j = 0; j < n; ++j) {
-    e[j] = detail::scaled_dot(q, keys + std::size_t(rows[j]) * head_dim, head_dim, scale);
-    m = std::max(m, e[j]);
-  }
-  std::fill_n(num, head_dim, 0.0);
-  double z = 0.0;
-  for (std::int32_t j = 0; j < n; ++j) {
-    e[j] = std::exp(e[j] - m);
-    z += e[j];
-    const float* v = values + std::size_t(rows[j]) * head_dim;
-    for (std::int32_t i = 0; i < head_dim; ++i) num[i] += e[j] * v[i];
-  }
+  const double z = detail::softmax_terms(q, keys, values, head_dim, scale, rows, n, e, num);
   for (std::int32_t j = 0; j < n; ++j) {
     const double rest = z - e[j];
     if (!(rest > 0.0)) {
