@@ -1031,11 +1031,15 @@ void check_exact_greedy(fixture<kv::exact_greedy_policy, T, Layout>& fx) {
   CHECK_FALSE(first_difference(before, fx.capture()).empty());
   CHECK(policy.evict(0) == kKvHeads);
 
-  // Two appends without an observe in between: the history has a gap.
+  // Once the sequence holds budget + 1 tokens, a second append must wait for evict.
   fx.write_token(0);
-  fx.write_token(0);
-  CHECK_REJECTED(snap, kv::state_error, ("sequence 0", "observe must run every step"), [&] { observe(good.input()); });
+  CHECK_REJECTED(snap, kv::state_error, ("sequence 0", "no free slot"), [&] { fx.write_token(0); });
   CHECK_REJECTED(snap, kv::state_error, ("sequence 0", "not observed"), [&] { policy.evict(0); });
+  // Two appends without an observe in between while filling: the history has a gap.
+  fx.write_token(2);
+  fx.write_token(2);
+  CHECK_REJECTED(snap, kv::state_error, ("sequence 2", "observe must run every step"),
+                 [&] { policy.observe(2, good.input(), fx.view()); });
 }
 
 // ---- scatter and compact ----

@@ -1264,3 +1264,47 @@ TEST_CASE("exact greedy by hand: the token whose removal changes nothing goes; r
 }
 
 }  // namespace
+
+// Regression: with capacity > budget + 1 (room for prompts), decode must not
+// spread over more than budget + 1 slots. Appending past that is refused, and
+// a second evict is a no-op, so the slot table keeps exactly one hole.
+TEST_CASE("decode never uses more than budget + 1 slots, whatever the capacity") {
+  kvevict::h2o_policy policy({1, 1, 1, /*capacity*/ 8}, kvevict::h2o_config{2, 1});
+  const std::vector<float> probs(8, 0.125f);
+  const auto probs_view = kvevict::make_tensor_view<const float>(probs.data(), 1, 8);
+  for (int t = 0; t < 4; ++t) policy.append(0);  // budget + 1 = 4 tokens in slots 0..3
+  CHECK(policy.next_slot(0, 0) == -1);
+  CHECK_THROWS_AS(policy.append(0), kvevict::state_error);
+  policy.observe(0, kvevict::decode_probs{probs_view});
+  CHECK(policy.evict(0) == 1);
+  CHECK(policy.evict(0) == 0);  // count == budget: nothing more to evict
+  const std::int32_t hole = policy.next_slot(0, 0);
+  CHECK((hole >= 0 && hole < 4 && policy.slots().position(0, 0, hole) == -1));
+  for (int step = 0; step < 20; ++step) {
+    const std::int32_t slot = policy.next_slot(0, 0);
+    REQUIRE((slot >= 0 && slot < 4));
+    policy.append(0);
+    policy.observe(0, kvevict::decode_probs{probs_view});
+    policy.evict(0);
+    CHECK(policy.slots().count(0, 0) == 3);
+    for (std::int32_t s = 4; s < 8; ++s) CHECK(policy.slots().position(0, 0, s) == -1);
+  }
+}
+
+// The exact-greedy checks hold through a reference to the common base too.
+TEST_CASE("exact_greedy hooks run through policy_base") {
+  kvevict::exact_greedy_policy greedy({1, 1, 1, 3}, kvevict::exact_greedy_config{2, 0});
+  auto cache = kvevict::make_bhsd_cache<float>(1, 1, 3, 2);
+  kvevict::policy_base<kvevict::exact_greedy_policy>& base = greedy;
+  const float q[2] = {1.0f, 0.0f};
+  const kvevict::decode_queries<float> query{kvevict::make_tensor_view<const float>(q, 1, 2), {}, 1.0f};
+  base.append(0);
+  greedy.observe(0, query, cache.view());
+  CHECK(greedy.history_length(0, 0) == 1);
+  base.append(0);
+  base.append(0);  // budget + 1 tokens, the last two never observed
+  CHECK_THROWS_AS(base.evict(0), kvevict::state_error);
+  base.reset(0);  // through the base, the history must go too
+  CHECK(greedy.history_length(0, 0) == 0);
+  CHECK(base.length(0) == 0);
+}

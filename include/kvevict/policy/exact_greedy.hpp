@@ -52,7 +52,7 @@ class exact_greedy_policy : public policy_base<exact_greedy_policy> {
       if (rows < len - 1)
         detail::fail_state<state_error>(w, "sequence ", b, " has ", len, " tokens but only ", rows,
                                         " were observed; observe must run every step");
-      if (rows == len - 1) require_row(w, view, b, h, slots_.slot_of(b, h, len - 1));
+      if (rows == len - 1) require_finite_row(w, view, b, h, slots_.slot_of(b, h, len - 1));
     }
     head_dim_ = view.head_dim;
     for (std::int32_t h = 0; h < shape_.num_kv_heads; ++h)
@@ -73,7 +73,8 @@ class exact_greedy_policy : public policy_base<exact_greedy_policy> {
     require_view(w, view);
     require_head_dim(w, view.head_dim);
     require_decode_queries(w, last_row, view.head_dim);
-    require_rows(w, view, b, length, all_columns());
+    for (std::int32_t h = 0; h < shape_.num_kv_heads; ++h)
+      for (std::int32_t p = 0; p < length; ++p) require_finite_row(w, view, b, h, p);
     head_dim_ = view.head_dim;
     for (std::int32_t h = 0; h < shape_.num_kv_heads; ++h)
       for (std::int32_t p = 0; p < length; ++p) record(view, b, h, p, p);
@@ -85,17 +86,14 @@ class exact_greedy_policy : public policy_base<exact_greedy_policy> {
     return result;
   }
 
-  /// As policy_base::evict; the errors must be those of this step.
-  std::int32_t evict(std::int32_t b, std::int32_t* victim_slots = nullptr) {
-    const detail::site w = where("evict");
-    detail::require_index(w, "sequence", b, shape_.num_seqs);
-    if (slots_.count(b, 0) > budget_ && observed_[std::size_t(b)] != slots_.length(b))
+  /// policy_base::evict hook: the errors must be those of this step.
+  void check_evict(const detail::site& w, std::int32_t b) const {
+    if (observed_[std::size_t(b)] != slots_.length(b))
       detail::fail_state<state_error>(w, "sequence ", b, " was not observed since its last append");
-    return policy_base::evict(b, victim_slots);
   }
 
-  void reset(std::int32_t b) {
-    policy_base::reset(b);
+  /// policy_base::reset hook: forget the history too.
+  void on_reset(std::int32_t b) noexcept {
     for (std::int32_t h = 0; h < shape_.num_kv_heads; ++h) {
       hist_k_[std::size_t(head_index(b, h))].clear();
       hist_v_[std::size_t(head_index(b, h))].clear();
@@ -165,6 +163,18 @@ class exact_greedy_policy : public policy_base<exact_greedy_policy> {
   void require_head_dim(const detail::site& w, std::int32_t head_dim) const {
     if (head_dim_ != 0 && head_dim != head_dim_)
       detail::fail<invalid_argument>(w, "view.head_dim", "= ", head_dim, ", the history has ", head_dim_);
+  }
+
+  /// The row exists and holds finite K and V: a non-finite value would turn
+  /// every error into NaN and the choice into noise.
+  template <class T, class Layout>
+  void require_finite_row(const detail::site& w, const kv_view<T, Layout>& view, std::int32_t b, std::int32_t h,
+                          std::int32_t s) const {
+    require_row(w, view, b, h, s);
+    for (std::int32_t d = 0; d < view.head_dim; ++d) {
+      detail::require_finite(w, "view.k", to_float(view.k_row(b, h, s)[d]), b, h, s, d);
+      detail::require_finite(w, "view.v", to_float(view.v_row(b, h, s)[d]), b, h, s, d);
+    }
   }
 
   template <class T, class Layout>

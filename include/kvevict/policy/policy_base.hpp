@@ -37,7 +37,7 @@ class policy_base {
   const slot_table& slots() const noexcept { return slots_; }
 
   /// Slot that sequence b's next token takes in KV head h (DESIGN §3 step 1),
-  /// or -1 when every slot is occupied (evict first).
+  /// or -1 while the sequence holds budget + 1 tokens (evict first).
   std::int32_t next_slot(std::int32_t b, std::int32_t h) const {
     require_head(where("next_slot"), b, h);
     return slots_.next_slot(b, h);
@@ -65,15 +65,19 @@ class policy_base {
     detail::require_index(w, "sequence", b, shape_.num_seqs);
     for (std::int32_t h = 0; h < shape_.num_kv_heads; ++h)
       if (slots_.next_slot(b, h) < 0)
-        detail::fail_state<state_error>(w, "sequence ", b, " head ", h, " has no free slot (count ", slots_.count(b, h),
-                                        " = capacity); call evict after observe");
+        detail::fail_state<state_error>(w, "sequence ", b, " head ", h, " has no free slot (it holds budget + 1 = ",
+                                        slots_.count(b, h), " tokens); call evict after observe");
     const std::int32_t position = slots_.length(b);
     for (std::int32_t h = 0; h < shape_.num_kv_heads; ++h) {
       const std::int32_t s = slots_.next_slot(b, h);
       slots_.positions_of(b, h)[s] = position;
       mutable_scores(b, h)[s] = 0.0f;
+      // Decode never holds more than budget + 1 tokens: with the invariant
+      // "no hole while filling", the next slot is `count` until then, and
+      // after that only evict can free one. Slots beyond budget + 1 (a larger
+      // capacity for prompts) stay unused, so paged engines may reclaim them.
       const std::int32_t count = ++slots_.count_ref(b, h);
-      slots_.next_slot_ref(b, h) = count < shape_.capacity ? count : -1;
+      slots_.next_slot_ref(b, h) = count <= budget_ ? count : -1;
     }
     slots_.length_ref(b) = position + 1;
     return position;
@@ -82,6 +86,7 @@ class policy_base {
   /// Forgets sequence b (a finished request); its slots become free.
   void reset(std::int32_t b) {
     detail::require_index(where("reset"), "sequence", b, shape_.num_seqs);
+    derived().on_reset(b);
     slots_.clear(b);
     for (std::int32_t h = 0; h < shape_.num_kv_heads; ++h) std::fill_n(mutable_scores(b, h), shape_.capacity, 0.0f);
   }
@@ -98,6 +103,7 @@ class policy_base {
       if (victim_slots) std::fill_n(victim_slots, heads, -1);
       return 0;
     }
+    derived().check_evict(w, b);
     // Decide every head before changing any, so a failure changes nothing.
     for (std::int32_t h = 0; h < heads; ++h) {
       const std::int32_t s = derived().choose_victim(b, h);
@@ -271,6 +277,10 @@ class policy_base {
     order_.assign(std::size_t(shape.capacity), 0);
     victims_.assign(std::size_t(shape.num_kv_heads), -1);
   }
+
+  // Optional hooks; a policy with state of its own hides them.
+  void check_evict(const detail::site&, std::int32_t) const {}  // throws to refuse an eviction
+  void on_reset(std::int32_t) noexcept {}
 
   Derived& derived() noexcept { return static_cast<Derived&>(*this); }
   const Derived& derived() const noexcept { return static_cast<const Derived&>(*this); }
@@ -456,7 +466,7 @@ class policy_base {
         score[s] = s < kept ? prefill[keep[s]] : 0.0f;  // keep[s] >= s: read before overwritten
       }
       slots_.count_ref(b, h) = kept;
-      slots_.next_slot_ref(b, h) = kept < shape_.capacity ? kept : -1;
+      slots_.next_slot_ref(b, h) = kept;  // kept <= budget < capacity
     }
     slots_.length_ref(b) = length;
     prefill_result result;
