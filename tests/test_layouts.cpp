@@ -28,6 +28,7 @@
 #include "kvevict/kv_cache.hpp"
 #include "kvevict/kv_view.hpp"
 #include "kvevict/layout.hpp"
+#include "kvevict/policy/recent_window.hpp"
 #include "kvevict/scatter.hpp"
 #include "kvevict/tensor_view.hpp"
 
@@ -804,4 +805,67 @@ TEST_CASE("tensor_view: row-major views, strided views, sub-views and offsets") 
   CHECK(cm[1].stride(0) == 2);
   CHECK(cm[1].stride(1) == 6);
   CHECK(cm[1](2, 3) == 1 + 4 + 18);
+}
+
+// Engines' real buffers: K and V interleaved in one allocation, and sequence
+// strides that are not the outermost. Rows are disjoint, so views must be
+// accepted and scatter must write K and V without touching each other.
+TEST_CASE("interleaved K/V buffers and SBHD strides are valid views") {
+  using namespace kvevict;
+  const std::int32_t H = 2, D = 4, P = 3, pages = 4, S = 5, B = 2;
+  SUBCASE("FlashInfer single-tensor paged cache [pages][2][P][H][D]") {
+    std::vector<float> pool(std::size_t(pages) * 2 * P * H * D, 0.0f);
+    std::vector<std::int32_t> table = {3, 1, 0, 2};  // one sequence, 4 pages
+    paged_layout l = paged_layout::make(table.data(), 4, pages, P, H, D, page_order::nhd);
+    l.stride_page = std::int64_t{2} * P * H * D;
+    kv_view<float, paged_layout> view{pool.data(), pool.data() + P * H * D, l, 1, H, 12, D};
+    CHECK_NOTHROW(validate("test", view));
+    const std::vector<float> k(std::size_t(H) * D, 1.0f), v(std::size_t(H) * D, 2.0f);
+    for (std::int32_t s = 0; s < 12; ++s) {
+      const std::int32_t slots[2] = {s, s};
+      scatter(view, 0, slots, make_tensor_view<const float>(k.data(), H, D), make_tensor_view<const float>(v.data(), H, D));
+    }
+    // Every K element is 1 and every V element is 2: the halves never alias.
+    for (std::int32_t page = 0; page < pages; ++page)
+      for (std::int32_t i = 0; i < P * H * D; ++i) {
+        CHECK(pool[std::size_t(page) * 2 * P * H * D + i] == 1.0f);
+        CHECK(pool[std::size_t(page) * 2 * P * H * D + P * H * D + i] == 2.0f);
+      }
+  }
+  SUBCASE("strided [B][S][2][H][D] and SBHD [S][B][H][D]") {
+    std::vector<float> buf(std::size_t(B) * S * 2 * H * D);
+    strided_layout kv_inner{std::int64_t{S} * 2 * H * D, D, std::int64_t{2} * H * D};
+    kv_view<float, strided_layout> interleaved{buf.data(), buf.data() + H * D, kv_inner, B, H, S, D};
+    CHECK_NOTHROW(validate("test", interleaved));
+    std::vector<float> k(std::size_t(S) * B * H * D), v(k.size());
+    strided_layout sbhd{std::int64_t{H} * D, D, std::int64_t{B} * H * D};
+    kv_view<float, strided_layout> seq_inner{k.data(), v.data(), sbhd, B, H, S, D};
+    CHECK_NOTHROW(validate("test", seq_inner));
+  }
+  SUBCASE("K and V rows that do overlap are rejected") {
+    std::vector<float> buf(std::size_t(B) * S * 2 * H * D);
+    strided_layout l{std::int64_t{S} * 2 * H * D, D, std::int64_t{2} * H * D};
+    kv_view<float, strided_layout> half_row{buf.data(), buf.data() + 2, l, B, H, S, D};
+    CHECK_THROWS_AS(validate("test", half_row), invalid_argument);
+    kv_view<float, strided_layout> same_slot{buf.data(), buf.data() + D, l, B, H, S, D};  // V of head 0 = K of head 1
+    CHECK_THROWS_AS(validate("test", same_slot), invalid_argument);
+  }
+}
+
+// A page table that names one page twice would make compaction overwrite
+// rows it has yet to read: prefill and compact refuse it and move nothing.
+TEST_CASE("duplicate page ids are rejected before any row moves") {
+  using namespace kvevict;
+  auto cache = make_paged_cache<float>(1, 1, 8, 2, 2, page_order::nhd);
+  cache.page_table() = {0, 1, 2, 0};  // page 0 twice
+  for (std::size_t i = 0; i < cache.k_storage().size(); ++i) cache.k_storage()[i] = float(i);
+  const std::vector<float> before = cache.k_storage();
+  const std::int32_t src[3] = {1, 5, 6};
+  CHECK_THROWS_AS(compact(cache.view(), 0, 0, src, 3), invalid_argument);
+  recent_window_policy policy({1, 1, 1, 8}, recent_window_config{0, 3});
+  CHECK_THROWS_AS(policy.prefill(0, 8, cache.view()), invalid_argument);
+  CHECK(policy.length(0) == 0);
+  CHECK(cache.k_storage() == before);
+  const std::int32_t low[2] = {1, 2};  // pages 0 and 1 only: distinct, accepted
+  CHECK_NOTHROW(compact(cache.view(), 0, 0, low, 2));
 }

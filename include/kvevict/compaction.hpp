@@ -44,12 +44,12 @@ void compact_rows(const kv_view<T, Layout>& view, std::int32_t b, std::int32_t h
     return;
   }
   for (std::int32_t i = 0; i < n; ++i) {
-    std::copy_n(view.k_row(b, h, src[i]), d, workspace + std::size_t(2 * i) * d);
-    std::copy_n(view.v_row(b, h, src[i]), d, workspace + std::size_t(2 * i + 1) * d);
+    std::copy_n(view.k_row(b, h, src[i]), d, workspace + 2 * std::size_t(i) * d);
+    std::copy_n(view.v_row(b, h, src[i]), d, workspace + (2 * std::size_t(i) + 1) * d);
   }
   for (std::int32_t i = 0; i < n; ++i) {
-    std::copy_n(workspace + std::size_t(2 * i) * d, d, view.k_row(b, h, i));
-    std::copy_n(workspace + std::size_t(2 * i + 1) * d, d, view.v_row(b, h, i));
+    std::copy_n(workspace + 2 * std::size_t(i) * d, d, view.k_row(b, h, i));
+    std::copy_n(workspace + (2 * std::size_t(i) + 1) * d, d, view.v_row(b, h, i));
   }
 }
 
@@ -71,7 +71,9 @@ void compact(const kv_view<T, Layout>& view, std::int32_t b, std::int32_t h, con
   if (n > 0) detail::require_not_null(where, "src", src);
   std::vector<bool> used(std::size_t(view.capacity), false);  // validation only, not the policies' path
   for (std::int32_t i = 0; i < n; ++i) {
-    detail::require_index(where, detail::concat("src[", i, "]").c_str(), src[i], view.capacity);
+    if (src[i] < 0 || src[i] >= view.capacity)
+      detail::fail<out_of_range>(where, detail::concat("src[", i, "]"), "= ", src[i], " is outside [0, ",
+                                 view.capacity, ")");
     require_row(where, view, b, h, src[i]);
     require_row(where, view, b, h, i);
     if (used[std::size_t(src[i])])
@@ -79,6 +81,9 @@ void compact(const kv_view<T, Layout>& view, std::int32_t b, std::int32_t h, con
     used[std::size_t(src[i])] = true;
   }
   if (!detail::strictly_increasing(src, n)) detail::require_not_null(where, "workspace", workspace);
+  std::int32_t highest = n - 1;
+  for (std::int32_t i = 0; i < n; ++i) highest = std::max(highest, src[i]);
+  require_distinct_pages(where, view, b, highest + 1);
   detail::compact_rows(view, b, h, src, n, workspace);
 }
 

@@ -4,7 +4,9 @@
 // page table) and hands out kv_view values; everything else in kvevict works
 // on the views only.
 #include <cstdint>
+#include <limits>
 #include <numeric>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -20,14 +22,14 @@ class kv_cache {
   using view_type = kv_view<T, Layout>;
   using const_view_type = kv_view<const T, Layout>;
 
-  kv_cache(const kv_cache&) = delete;  // a paged view points into page_table_
+  kv_cache(const kv_cache&) = delete;  // large buffers: move, don't copy by accident
   kv_cache& operator=(const kv_cache&) = delete;
   kv_cache(kv_cache&&) noexcept = default;  // vector moves keep their buffers
   kv_cache& operator=(kv_cache&&) noexcept = default;
 
-  view_type view() noexcept { return {k_.data(), v_.data(), layout_, num_seqs_, num_heads_, capacity_, head_dim_}; }
+  view_type view() noexcept { return {k_.data(), v_.data(), current_layout(), num_seqs_, num_heads_, capacity_, head_dim_}; }
   const_view_type view() const noexcept {
-    return {k_.data(), v_.data(), layout_, num_seqs_, num_heads_, capacity_, head_dim_};
+    return {k_.data(), v_.data(), current_layout(), num_seqs_, num_heads_, capacity_, head_dim_};
   }
 
   std::vector<T>& k_storage() noexcept { return k_; }
@@ -52,6 +54,13 @@ class kv_cache {
  private:
   kv_cache() = default;
 
+  // A paged view points at page_table_, wherever the vector now keeps it.
+  Layout current_layout() const noexcept {
+    Layout l = layout_;
+    if constexpr (std::is_same_v<Layout, paged_layout>) l.page_table = page_table_.data();
+    return l;
+  }
+
   std::vector<T> k_, v_;
   std::vector<std::int32_t> page_table_;
   Layout layout_{};
@@ -67,7 +76,6 @@ kv_cache<T, Layout> make_cache_impl(Layout layout, std::int32_t num_seqs, std::i
   cache.v_.assign(elements, T{});
   cache.page_table_ = std::move(page_table);
   cache.layout_ = layout;
-  if constexpr (std::is_same_v<Layout, paged_layout>) cache.layout_.page_table = cache.page_table_.data();
   cache.num_seqs_ = num_seqs;
   cache.num_heads_ = num_heads;
   cache.capacity_ = capacity;
@@ -82,6 +90,10 @@ inline void require_cache_shape(const char* where, std::int32_t num_seqs, std::i
   require_positive(where, "num_heads", num_heads);
   require_positive(where, "capacity", capacity);
   require_positive(where, "head_dim", head_dim);
+  // Offsets are int64; keep the element count far below that (and size_t).
+  const long double elements = static_cast<long double>(num_seqs) * num_heads * capacity * head_dim;
+  if (elements > static_cast<long double>(std::numeric_limits<std::int64_t>::max() / 16))
+    fail<invalid_argument>(where, "num_seqs * num_heads * capacity * head_dim", "= ", elements, " is too large");
 }
 }  // namespace detail
 
@@ -113,6 +125,9 @@ kv_cache<T, paged_layout> make_paged_cache(std::int32_t num_seqs, std::int32_t n
   detail::require_cache_shape("make_paged_cache", num_seqs, num_heads, capacity, head_dim);
   detail::require_positive("make_paged_cache", "page_size", page_size);
   const std::int32_t pages_per_seq = pages_for(capacity, page_size);
+  if (std::int64_t{num_seqs} * pages_per_seq > std::numeric_limits<std::int32_t>::max())
+    detail::fail<invalid_argument>("make_paged_cache", "num_seqs * pages per sequence", "= ",
+                                   std::int64_t{num_seqs} * pages_per_seq, " exceeds int32 page ids");
   std::vector<std::int32_t> table(std::size_t(num_seqs) * pages_per_seq);
   for (std::int32_t b = 0; b < num_seqs; ++b)
     for (std::int32_t i = 0; i < pages_per_seq; ++i)

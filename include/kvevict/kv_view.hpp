@@ -5,7 +5,9 @@
 // (scatter, compaction).
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <type_traits>
+#include <vector>
 
 #include "kvevict/config.hpp"
 #include "kvevict/error.hpp"
@@ -44,78 +46,103 @@ static_assert(std::is_trivially_copyable_v<kv_view<float, paged_layout>>, "views
 
 namespace detail {
 
-// Rows of distinct (h, s) (and pages) must not overlap: with the dimensions
-// sorted by stride, each stride must be at least the span of everything
-// inside it. This is the usual sufficient test for an injective strided map.
-template <class Where>
-void require_disjoint_rows(const Where& where, const char* what, std::int32_t head_dim,
-                                  std::int64_t stride_a, std::int32_t extent_a, const char* name_a,
-                                  std::int64_t stride_b, std::int32_t extent_b, const char* name_b) {
-  struct dim {
-    std::int64_t stride;
-    std::int32_t extent;
-    const char* name;
-  };
-  dim dims[2] = {{stride_a, extent_a, name_a}, {stride_b, extent_b, name_b}};
-  if (dims[0].stride > dims[1].stride) std::swap(dims[0], dims[1]);
-  std::int64_t span = head_dim;
-  for (const dim& d : dims) {
-    if (d.extent > 1 && d.stride < span)
-      fail<invalid_argument>(where, concat(what, ".", d.name), "= ", d.stride,
-                             " makes rows overlap (needs at least ", span, " elements)");
-    span = std::max(span, d.stride * (d.extent - 1) + span);
+struct stride_dim {
+  std::int64_t stride;  // elements
+  std::int32_t extent;
+  const char* name;
+};
+
+// Rows of distinct indices never overlap if, with the dimensions sorted by
+// stride, each stride is at least the span of everything inside it: the
+// usual sufficient test for an injective strided map. Sorting all of them
+// (not assuming an order) accepts SBHD, NHD and HND alike, and a K-to-V
+// offset as one more dimension of extent 2 accepts interleaved K/V buffers.
+// Returns the index of the first offending dimension (or -1), and the span
+// in elements of one buffer.
+template <std::size_t N>
+int first_overlap(stride_dim (&dims)[N], std::int32_t head_dim, std::int64_t& span) {
+  std::sort(dims, dims + N, [](const stride_dim& x, const stride_dim& y) { return x.stride < y.stride; });
+  span = head_dim;
+  for (std::size_t i = 0; i < N; ++i) {
+    if (dims[i].extent <= 1) continue;
+    if (dims[i].stride < span) return int(i);
+    if (dims[i].stride > (std::numeric_limits<std::int64_t>::max() / 2 - span) / (dims[i].extent - 1)) return int(i);
+    span += dims[i].stride * (dims[i].extent - 1);
   }
+  return -1;
+}
+
+template <class Where, std::size_t N>
+std::int64_t require_disjoint_rows(const Where& where, stride_dim (&dims)[N], std::int32_t head_dim) {
+  for (const stride_dim& d : dims)
+    if (d.stride < 0) fail<invalid_argument>(where, concat("layout.", d.name), "= ", d.stride, " is negative");
+  std::int64_t span = 0;
+  const int bad = first_overlap(dims, head_dim, span);
+  if (bad >= 0)
+    fail<invalid_argument>(where, concat("layout.", dims[bad].name), "= ", dims[bad].stride,
+                           " makes rows overlap or overflow (needs at least ", span, " elements)");
+  return span;
+}
+
+/// Validates a layout; returns the span of one buffer in elements.
+template <class Where>
+std::int64_t require_layout(const Where& where, const strided_layout& l, std::int32_t num_seqs,
+                            std::int32_t num_heads, std::int32_t capacity, std::int32_t head_dim) {
+  stride_dim dims[3] = {{l.stride_seq, num_seqs, "stride_seq"},
+                        {l.stride_head, num_heads, "stride_head"},
+                        {l.stride_slot, capacity, "stride_slot"}};
+  return require_disjoint_rows(where, dims, head_dim);
 }
 
 template <class Where>
-void require_layout(const Where& where, const strided_layout& l, std::int32_t num_seqs,
-                           std::int32_t num_heads, std::int32_t capacity, std::int32_t head_dim) {
-  if (l.stride_seq < 0 || l.stride_head < 0 || l.stride_slot < 0)
-    fail<invalid_argument>(where, "layout", "has a negative stride");
-  require_disjoint_rows(where, "layout", head_dim, l.stride_head, num_heads, "stride_head", l.stride_slot,
-                        capacity, "stride_slot");
-  const std::int64_t per_seq = std::max(l.stride_head * (num_heads - 1) + l.stride_slot * (capacity - 1) + head_dim,
-                                        std::int64_t{head_dim});
-  if (num_seqs > 1 && l.stride_seq < per_seq)
-    fail<invalid_argument>(where, "layout.stride_seq", "= ", l.stride_seq,
-                           " makes sequences overlap (needs at least ", per_seq, ")");
-}
-
-template <class Where>
-void require_layout(const Where& where, const paged_layout& l, std::int32_t /*num_seqs*/,
-                           std::int32_t num_heads, std::int32_t capacity, std::int32_t head_dim) {
+std::int64_t require_layout(const Where& where, const paged_layout& l, std::int32_t num_seqs,
+                            std::int32_t num_heads, std::int32_t capacity, std::int32_t head_dim) {
   require_not_null(where, "layout.page_table", l.page_table);
   require_positive(where, "layout.page_size", l.page_size);
   require_positive(where, "layout.num_pages", l.num_pages);
-  if (l.stride_page < 0 || l.stride_head < 0 || l.stride_slot < 0 || l.page_table_stride < 0)
-    fail<invalid_argument>(where, "layout", "has a negative stride");
   if (std::int64_t{l.max_pages_per_seq} * l.page_size < capacity)
     fail<invalid_argument>(where, "capacity", "= ", capacity, " exceeds max_pages_per_seq * page_size = ",
                            std::int64_t{l.max_pages_per_seq} * l.page_size);
-  require_disjoint_rows(where, "layout", head_dim, l.stride_head, num_heads, "stride_head", l.stride_slot,
-                        l.page_size, "stride_slot");
-  const std::int64_t per_page = l.stride_head * (num_heads - 1) + l.stride_slot * (l.page_size - 1) + head_dim;
-  if (l.num_pages > 1 && l.stride_page < per_page)
-    fail<invalid_argument>(where, "layout.stride_page", "= ", l.stride_page,
-                           " makes pages overlap (needs at least ", per_page, ")");
+  if (num_seqs > 1 && l.page_table_stride < l.max_pages_per_seq)
+    fail<invalid_argument>(where, "layout.page_table_stride", "= ", l.page_table_stride,
+                           " makes page-table rows overlap (max_pages_per_seq = ", l.max_pages_per_seq, ")");
+  stride_dim dims[3] = {{l.stride_page, l.num_pages, "stride_page"},
+                        {l.stride_head, num_heads, "stride_head"},
+                        {l.stride_slot, l.page_size, "stride_slot"}};
+  return require_disjoint_rows(where, dims, head_dim);
 }
 
-/// Elements from a buffer's start to the end of its last row.
-inline std::int64_t span_elements(const strided_layout& l, std::int32_t num_seqs, std::int32_t num_heads,
-                                  std::int32_t capacity, std::int32_t head_dim) noexcept {
-  return l.stride_seq * (num_seqs - 1) + l.stride_head * (num_heads - 1) + l.stride_slot * (capacity - 1) + head_dim;
-}
-inline std::int64_t span_elements(const paged_layout& l, std::int32_t, std::int32_t num_heads, std::int32_t,
-                                  std::int32_t head_dim) noexcept {
-  return l.stride_page * (l.num_pages - 1) + l.stride_head * (num_heads - 1) + l.stride_slot * (l.page_size - 1) +
-         head_dim;
+// K and V may share one allocation (interleaved [..][2][..] buffers) as long
+// as no K row overlaps a V row: then v - k is one more disjoint dimension.
+template <class Where, class T, class Layout>
+void require_disjoint_kv(const Where& where, const kv_view<T, Layout>& view, std::int64_t span) {
+  const auto k = reinterpret_cast<std::uintptr_t>(view.k), v = reinterpret_cast<std::uintptr_t>(view.v);
+  const std::uintptr_t bytes = static_cast<std::uintptr_t>(span) * sizeof(T);
+  if (k + bytes <= v || v + bytes <= k) return;  // separate ranges
+  const std::uintptr_t gap = k < v ? v - k : k - v;
+  bool ok = gap % sizeof(T) == 0 && gap != 0;
+  if (ok) {
+    const auto& l = view.layout;
+    std::int64_t unused = 0;
+    if constexpr (std::is_same_v<Layout, paged_layout>) {
+      stride_dim dims[4] = {{l.stride_page, l.num_pages, ""}, {l.stride_head, view.num_heads, ""},
+                            {l.stride_slot, l.page_size, ""}, {std::int64_t(gap / sizeof(T)), 2, ""}};
+      ok = first_overlap(dims, view.head_dim, unused) < 0;
+    } else {
+      stride_dim dims[4] = {{l.stride_seq, view.num_seqs, ""}, {l.stride_head, view.num_heads, ""},
+                            {l.stride_slot, view.capacity, ""}, {std::int64_t(gap / sizeof(T)), 2, ""}};
+      ok = first_overlap(dims, view.head_dim, unused) < 0;
+    }
+  }
+  if (!ok) fail<invalid_argument>(where, "view.v", "overlaps view.k (rows of one would alias rows of the other)");
 }
 
 }  // namespace detail
 
 /// Throws unless `view` is usable: non-null buffers, positive shape, strides
-/// that keep rows disjoint. Page ids are checked where rows are touched
-/// (require_row), since engines may leave unused page-table entries unset.
+/// that keep rows disjoint (K and V rows included). Page ids are checked where
+/// rows are touched (require_row), since engines may leave unused page-table
+/// entries unset.
 template <class Where, class T, class Layout>
 void validate(const Where& where, const kv_view<T, Layout>& view) {
   detail::require_not_null(where, "view.k", view.k);
@@ -124,13 +151,9 @@ void validate(const Where& where, const kv_view<T, Layout>& view) {
   detail::require_positive(where, "view.num_heads", view.num_heads);
   detail::require_positive(where, "view.capacity", view.capacity);
   detail::require_positive(where, "view.head_dim", view.head_dim);
-  detail::require_layout(where, view.layout, view.num_seqs, view.num_heads, view.capacity, view.head_dim);
-  // K and V must not share memory, or moving one would corrupt the other.
-  const auto bytes = static_cast<std::uintptr_t>(
-      detail::span_elements(view.layout, view.num_seqs, view.num_heads, view.capacity, view.head_dim) * sizeof(T));
-  const auto k = reinterpret_cast<std::uintptr_t>(view.k), v = reinterpret_cast<std::uintptr_t>(view.v);
-  if (k < v + bytes && v < k + bytes)
-    detail::fail<invalid_argument>(where, "view.v", "overlaps view.k (each spans ", bytes, " bytes)");
+  const std::int64_t span =
+      detail::require_layout(where, view.layout, view.num_seqs, view.num_heads, view.capacity, view.head_dim);
+  detail::require_disjoint_kv(where, view, span);
 }
 
 /// Throws unless (b, h, s) is inside the view and, for a paged view, its page
@@ -146,6 +169,25 @@ void require_row(const Where& where, const kv_view<T, Layout>& view, std::int32_
     if (page < 0 || page >= view.layout.num_pages)
       detail::fail<out_of_range>(where, detail::concat("page_table[", b, "][", s / view.layout.page_size, "]"),
                                  "= ", page, " is outside [0, ", view.layout.num_pages, ")");
+  }
+}
+
+/// For a paged view: throws unless the pages holding slots [0, slots) of
+/// sequence b are distinct, since moving rows between two slots that share a
+/// page id would overwrite one with the other. Strided views always pass.
+template <class Where, class T, class Layout>
+void require_distinct_pages(const Where& where, const kv_view<T, Layout>& view, std::int32_t b, std::int32_t slots) {
+  if constexpr (std::is_same_v<Layout, paged_layout>) {
+    const std::int32_t n = pages_for(slots, view.layout.page_size);
+    std::vector<std::int32_t> ids(static_cast<std::size_t>(n));  // validation of prefill/compaction, not decode
+    for (std::int32_t i = 0; i < n; ++i) ids[std::size_t(i)] = view.layout.page_table[b * view.layout.page_table_stride + i];
+    std::sort(ids.begin(), ids.end());
+    const auto dup = std::adjacent_find(ids.begin(), ids.end());
+    if (dup != ids.end())
+      detail::fail<invalid_argument>(where, detail::concat("page_table[", b, "]"), "holds page id ", *dup,
+                                     " twice among its first ", n, " pages");
+  } else {
+    (void)where, (void)view, (void)b, (void)slots;
   }
 }
 

@@ -91,7 +91,7 @@ static_assert(std::is_trivially_copyable_v<paged_layout>, "layouts are passed by
 
 /// Number of pages that hold `slots` slots.
 KVEVICT_HOST_DEVICE constexpr std::int32_t pages_for(std::int32_t slots, std::int32_t page_size) noexcept {
-  return (slots + page_size - 1) / page_size;
+  return static_cast<std::int32_t>((std::int64_t{slots} + page_size - 1) / page_size);
 }
 
 }  // namespace kvevict

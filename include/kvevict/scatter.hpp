@@ -34,7 +34,9 @@ void scatter(const kv_view<T, Layout>& view, std::int32_t b, const std::int32_t*
                                      ", rows must be contiguous");
   }
   for (std::int32_t h = 0; h < view.num_heads; ++h) {
-    detail::require_index(where, detail::concat("slots[", h, "]").c_str(), slots[h], view.capacity);
+    if (slots[h] < 0 || slots[h] >= view.capacity)  // the name is built only on failure
+      detail::fail<out_of_range>(where, detail::concat("slots[", h, "]"), "= ", slots[h], " is outside [0, ",
+                                 view.capacity, ")");
     require_row(where, view, b, h, slots[h]);
   }
   for (std::int32_t h = 0; h < view.num_heads; ++h) {

@@ -451,7 +451,10 @@ class policy_base {
   template <class T, class Layout>
   prefill_result commit_prefill(const detail::site& w, std::int32_t b, std::int32_t length,
                                 const kv_view<T, Layout>* view) {
-    if (view) require_rows(w, *view, b, length, all_columns());
+    if (view) {
+      require_rows(w, *view, b, length, all_columns());
+      require_distinct_pages(w, *view, b, length);
+    }
     const std::int32_t kept = std::min(length, budget_);
     for (std::int32_t h = 0; h < shape_.num_kv_heads; ++h)
       derived().select_keep(b, h, length, prefill_scores(h), keep_.data() + std::size_t(h) * shape_.capacity);
