@@ -17,6 +17,15 @@
 namespace kvevict {
 
 template <class T, class Layout>
+class kv_cache;
+
+namespace detail {
+template <class T, class Layout>
+kv_cache<T, Layout> make_cache(Layout layout, std::int32_t num_seqs, std::int32_t num_heads, std::int32_t capacity,
+                               std::int32_t head_dim, std::size_t elements, std::vector<std::int32_t> page_table);
+}  // namespace detail
+
+template <class T, class Layout>
 class kv_cache {
  public:
   using view_type = kv_view<T, Layout>;
@@ -47,11 +56,10 @@ class kv_cache {
   /// Bytes held by K and V together.
   std::size_t bytes() const noexcept { return (k_.size() + v_.size()) * sizeof(T); }
 
-  template <class U, class L>
-  friend kv_cache<U, L> make_cache_impl(L layout, std::int32_t, std::int32_t, std::int32_t, std::int32_t,
-                                        std::size_t, std::vector<std::int32_t>);
-
  private:
+  friend kv_cache detail::make_cache<T, Layout>(Layout, std::int32_t, std::int32_t, std::int32_t, std::int32_t,
+                                                std::size_t, std::vector<std::int32_t>);
+
   kv_cache() = default;
 
   // A paged view points at page_table_, wherever the vector now keeps it.
@@ -67,10 +75,10 @@ class kv_cache {
   std::int32_t num_seqs_ = 0, num_heads_ = 0, capacity_ = 0, head_dim_ = 0;
 };
 
+namespace detail {
 template <class T, class Layout>
-kv_cache<T, Layout> make_cache_impl(Layout layout, std::int32_t num_seqs, std::int32_t num_heads,
-                                    std::int32_t capacity, std::int32_t head_dim, std::size_t elements,
-                                    std::vector<std::int32_t> page_table) {
+kv_cache<T, Layout> make_cache(Layout layout, std::int32_t num_seqs, std::int32_t num_heads, std::int32_t capacity,
+                               std::int32_t head_dim, std::size_t elements, std::vector<std::int32_t> page_table) {
   kv_cache<T, Layout> cache;
   cache.k_.assign(elements, T{});
   cache.v_.assign(elements, T{});
@@ -83,7 +91,6 @@ kv_cache<T, Layout> make_cache_impl(Layout layout, std::int32_t num_seqs, std::i
   return cache;
 }
 
-namespace detail {
 inline void require_cache_shape(const char* where, std::int32_t num_seqs, std::int32_t num_heads,
                                 std::int32_t capacity, std::int32_t head_dim) {
   require_positive(where, "num_seqs", num_seqs);
@@ -102,7 +109,7 @@ template <class T>
 kv_cache<T, strided_layout> make_bhsd_cache(std::int32_t num_seqs, std::int32_t num_heads,
                                             std::int32_t capacity, std::int32_t head_dim) {
   detail::require_cache_shape("make_bhsd_cache", num_seqs, num_heads, capacity, head_dim);
-  return make_cache_impl<T>(strided_layout::bhsd(num_heads, capacity, head_dim), num_seqs, num_heads, capacity,
+  return detail::make_cache<T>(strided_layout::bhsd(num_heads, capacity, head_dim), num_seqs, num_heads, capacity,
                             head_dim, std::size_t(num_seqs) * num_heads * capacity * head_dim, {});
 }
 
@@ -111,7 +118,7 @@ template <class T>
 kv_cache<T, strided_layout> make_bshd_cache(std::int32_t num_seqs, std::int32_t num_heads,
                                             std::int32_t capacity, std::int32_t head_dim) {
   detail::require_cache_shape("make_bshd_cache", num_seqs, num_heads, capacity, head_dim);
-  return make_cache_impl<T>(strided_layout::bshd(num_heads, capacity, head_dim), num_seqs, num_heads, capacity,
+  return detail::make_cache<T>(strided_layout::bshd(num_heads, capacity, head_dim), num_seqs, num_heads, capacity,
                             head_dim, std::size_t(num_seqs) * num_heads * capacity * head_dim, {});
 }
 
@@ -135,7 +142,7 @@ kv_cache<T, paged_layout> make_paged_cache(std::int32_t num_seqs, std::int32_t n
   const std::int32_t num_pages = num_seqs * pages_per_seq;
   const paged_layout layout =
       paged_layout::make(nullptr, pages_per_seq, num_pages, page_size, num_heads, head_dim, order);
-  return make_cache_impl<T>(layout, num_seqs, num_heads, capacity, head_dim,
+  return detail::make_cache<T>(layout, num_seqs, num_heads, capacity, head_dim,
                             std::size_t(num_pages) * page_size * num_heads * head_dim, std::move(table));
 }
 

@@ -135,7 +135,7 @@ class exact_greedy_policy : public policy_base<exact_greedy_policy> {
     for (std::int32_t p = 0; p < n; ++p) keep[p] = p;
     if (length <= budget_) return;
     const std::int32_t g = shape_.group_size();
-    targets(b, h, keep, length, g);
+    targets(b, h, length, g);
     std::vector<double>& err = err_buf_;
     while (n > budget_) {
       std::fill_n(err.begin(), n, 0.0);
@@ -203,7 +203,7 @@ class exact_greedy_policy : public policy_base<exact_greedy_policy> {
 
   /// Full-history attention output of each query head of group h, and
   /// scratch sized for `members` rows.
-  void targets(std::int32_t b, std::int32_t h, const std::int32_t*, std::int32_t members, std::int32_t g) const {
+  void targets(std::int32_t b, std::int32_t h, std::int32_t members, std::int32_t g) const {
     const std::int32_t rows = history_length(b, h);
     all_rows_.resize(std::size_t(rows));
     std::iota(all_rows_.begin(), all_rows_.end(), 0);
@@ -226,7 +226,7 @@ class exact_greedy_policy : public policy_base<exact_greedy_policy> {
         ++n;
       }
     const std::int32_t g = shape_.group_size();
-    targets(b, h, nullptr, n, g);
+    targets(b, h, n, g);
     std::fill_n(err_buf_.begin(), n, 0.0);
     for (std::int32_t j = 0; j < g; ++j)
       add_leave_one_out_errors(query(h * g + j), history_keys(b, h), history_values(b, h), head_dim_, scale_,

@@ -168,10 +168,11 @@ class policy_base {
     for (std::int32_t q = 0; q < shape_.num_q_heads; ++q)
       detail::require_finite(w, "lse", in.lse(q), q);
     const auto wanted = occupied(b);
-    require_rows(w, view, b, occupied_width(b), wanted);
+    const std::int32_t width = occupied_width(b);
+    require_rows(w, view, b, width, wanted);
     const std::int32_t g = shape_.group_size();
     detail::reduce_groups(
-        w, "probs from (q, lse)", group(), occupied_width(b), wanted,
+        w, "probs from (q, lse)", group(), width, wanted,
         [&](std::int32_t q, std::int32_t s) {
           const float logit = detail::dot(&in.q(q, 0), in.q.strides[1], view.k_row(b, q / g, s), view.head_dim);
           return std::exp(logit * in.scale - detail::natural_lse(in.lse(q), in.base));
