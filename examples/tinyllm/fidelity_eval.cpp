@@ -1,0 +1,374 @@
+// kvevict_fidelity: what each eviction policy costs a real model in quality.
+//
+//   eval      teacher-forced streaming over windows of a text: every policy
+//             variant of every window runs in one batch; reports perplexity
+//             after the first eviction and overall, and top-1 agreement with
+//             the full cache (markdown table on stdout, JSON with --json)
+//   tokenize  writes the text's token ids, one per line (for the llama.cpp check)
+//   score     one sequence, full cache: writes the float32 logits of each
+//             position (for the llama.cpp check)
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <iterator>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "tinyllm/engine.hpp"
+#include "tinyllm/gguf.hpp"
+#include "tinyllm/tokenizer.hpp"
+
+namespace {
+
+using namespace tinyllm;
+using clock_type = std::chrono::steady_clock;
+
+struct options {
+  std::string mode = "eval";
+  std::string model, text, out, json;
+  std::int32_t window = 1024, windows = 4, offset = 0, positions = 1024;
+  std::vector<int> budgets = {10, 20, 50};  // percent of the window
+  std::vector<std::string> policies = {"full", "h2o", "recent_window", "recent_only", "random", "exact_greedy"};
+  std::uint64_t seed = 1;
+  bool lse_check = false;
+  numerics arithmetic;  // plain float
+};
+
+[[noreturn]] void usage(const std::string& why) {
+  std::fprintf(stderr,
+               "error: %s\n"
+               "usage: kvevict_fidelity [eval|tokenize|score] --model FILE.gguf --text FILE.txt\n"
+               "  eval:     [--window 1024] [--windows 4] [--offset 0] [--budgets 10,20,50]\n"
+               "            [--policies full,h2o,recent_window,recent_only,random,exact_greedy]\n"
+               "            [--seed 1] [--lse-check] [--json FILE]\n"
+               "  all:      [--numerics float|llama_cpp]  (default float; llama_cpp rounds as llama.cpp's CPU backend)\n"
+               "  tokenize: --out FILE\n"
+               "  score:    [--offset 0] [--positions 1024] --out FILE\n"
+               "threads: OMP_NUM_THREADS\n",
+               why.c_str());
+  std::exit(2);
+}
+
+std::vector<std::string> split(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream in(s);
+  for (std::string item; std::getline(in, item, ',');)
+    if (!item.empty()) out.push_back(item);
+  return out;
+}
+
+std::int32_t to_int(const std::string& flag, const std::string& v) {
+  try {
+    std::size_t used = 0;
+    const long x = std::stol(v, &used);
+    if (used == v.size() && x >= 0 && x <= 1 << 30) return static_cast<std::int32_t>(x);
+  } catch (const std::exception&) {
+  }
+  usage(flag + " expects a non-negative integer, got \"" + v + "\"");
+}
+
+options parse(int argc, char** argv) {
+  options o;
+  int i = 1;
+  if (i < argc && argv[i][0] != '-') o.mode = argv[i++];
+  if (o.mode != "eval" && o.mode != "tokenize" && o.mode != "score") usage("unknown mode " + o.mode);
+  for (; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--lse-check") {
+      o.lse_check = true;
+      continue;
+    }
+    if (i + 1 >= argc) usage(a + " needs a value");
+    const std::string v = argv[++i];
+    if (a == "--model") o.model = v;
+    else if (a == "--text") o.text = v;
+    else if (a == "--out") o.out = v;
+    else if (a == "--json") o.json = v;
+    else if (a == "--numerics") {
+      if (v == "float") o.arithmetic = numerics{};
+      else if (v == "llama_cpp") o.arithmetic = numerics::llama_cpp();
+      else usage("--numerics is float or llama_cpp, got " + v);
+    }
+    else if (a == "--window") o.window = to_int(a, v);
+    else if (a == "--windows") o.windows = to_int(a, v);
+    else if (a == "--offset") o.offset = to_int(a, v);
+    else if (a == "--positions") o.positions = to_int(a, v);
+    else if (a == "--seed") o.seed = static_cast<std::uint64_t>(to_int(a, v));
+    else if (a == "--policies") o.policies = split(v);
+    else if (a == "--budgets") {
+      o.budgets.clear();
+      for (const std::string& b : split(v)) {
+        const std::int32_t pct = to_int(a, b);
+        if (pct < 1 || pct > 100) usage("--budgets are percentages in [1, 100], got " + b);
+        o.budgets.push_back(pct);
+      }
+    } else usage("unknown option " + a);
+  }
+  if (o.model.empty() || o.text.empty()) usage("--model and --text are required");
+  if (o.mode != "eval" && o.out.empty()) usage(o.mode + " needs --out");
+  if (o.window < 2 || o.windows < 1) usage("--window must be at least 2 and --windows at least 1");
+  return o;
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw std::runtime_error("cannot read " + path);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+bpe_tokenizer tokenizer_from_gguf(const gguf_file& f) {
+  const std::string model = f.get_string("tokenizer.ggml.model");
+  if (model != "gpt2") throw format_error("tokenizer.ggml.model = \"" + model + "\", only byte-level BPE (gpt2) is supported");
+  return bpe_tokenizer(f.get_string_array("tokenizer.ggml.tokens"), f.get_string_array("tokenizer.ggml.merges"),
+                       pretokenizer_from_name(f.get_string_or("tokenizer.ggml.pre", "default")));
+}
+
+/// -log softmax(logits)[target] and the argmax (lowest id on ties).
+struct prediction {
+  double nll;
+  std::int32_t top1;
+};
+prediction predict(const float* logits, std::int32_t vocab, std::int32_t target) {
+  std::int32_t best = 0;
+  for (std::int32_t i = 1; i < vocab; ++i)
+    if (logits[i] > logits[best]) best = i;
+  double sum = 0.0;
+  for (std::int32_t i = 0; i < vocab; ++i) sum += std::exp(double(logits[i]) - logits[best]);
+  return {std::log(sum) + logits[best] - logits[target], best};
+}
+
+struct variant {
+  std::string name;  // policy name as on the command line
+  int percent = 100;
+  policy_spec spec;
+};
+
+std::vector<variant> make_variants(const options& o) {
+  std::vector<variant> out;
+  out.push_back({"full", 100, {policy_kind::full, o.window, 0, 0}});  // always: the reference of every metric
+  for (int pct : o.budgets) {
+    const std::int32_t budget = std::max(1, static_cast<std::int32_t>(std::int64_t{o.window} * pct / 100));
+    for (const std::string& p : o.policies) {
+      if (p == "full") continue;
+      policy_spec s{policy_kind::h2o, budget, 0, o.seed};
+      if (p == "h2o") s.kind = policy_kind::h2o;
+      else if (p == "recent_window") s.kind = policy_kind::recent_window, s.sinks = 4;
+      else if (p == "recent_only") s.kind = policy_kind::recent_window, s.sinks = 0;
+      else if (p == "random") s.kind = policy_kind::random;
+      else if (p == "exact_greedy") s.kind = policy_kind::exact_greedy;
+      else usage("unknown policy " + p);
+      out.push_back({p, pct, s});
+    }
+    if (o.lse_check) {
+      policy_spec s{policy_kind::h2o, budget, 0, o.seed};
+      s.source = score_source::lse;
+      out.push_back({"h2o_lse", pct, s});
+    }
+  }
+  return out;
+}
+
+int omp_threads() {
+#ifdef _OPENMP
+  return omp_get_max_threads();
+#else
+  return 1;
+#endif
+}
+
+/// For --lse-check: compares, after a step, the slot tables of h2o fed
+/// probabilities with those of h2o fed q + LSE, per (layer, window, head).
+void count_same_decisions(const llama_engine& engine, const std::vector<variant>& variants, std::int32_t windows,
+                          std::int64_t& same, std::int64_t& total) {
+  for (std::size_t a = 0; a < variants.size(); ++a) {
+    if (variants[a].name != "h2o") continue;
+    for (std::size_t b = 0; b < variants.size(); ++b) {
+      if (variants[b].name != "h2o_lse" || variants[b].percent != variants[a].percent) continue;
+      for (std::int32_t l = 0; l < engine.layers(); ++l) {
+        const auto& pa = std::get<kvevict::h2o_policy>(engine.cache(l, std::int32_t(a)).policy()).slots();
+        const auto& pb = std::get<kvevict::h2o_policy>(engine.cache(l, std::int32_t(b)).policy()).slots();
+        for (std::int32_t w = 0; w < windows; ++w)
+          for (std::int32_t h = 0; h < pa.num_heads(); ++h) {
+            same += std::equal(pa.positions_of(w, h), pa.positions_of(w, h) + pa.capacity(), pb.positions_of(w, h));
+            ++total;
+          }
+      }
+    }
+  }
+}
+
+double seconds_since(clock_type::time_point t0) {
+  return std::chrono::duration<double>(clock_type::now() - t0).count();
+}
+
+int run_tokenize(const options& o, const bpe_tokenizer& tok, const std::vector<std::int32_t>& ids) {
+  std::ofstream out(o.out);
+  for (std::int32_t id : ids) out << id << '\n';
+  if (!out) throw std::runtime_error("cannot write " + o.out);
+  std::printf("%zu tokens (vocabulary %d) -> %s\n", ids.size(), tok.vocab_size(), o.out.c_str());
+  return 0;
+}
+
+int run_score(const options& o, const llama_config& c, const llama_weights& w, const std::vector<std::int32_t>& ids) {
+  const std::int64_t end = std::int64_t{o.offset} + o.positions;
+  if (end > std::int64_t(ids.size())) throw std::runtime_error("the text has only " + std::to_string(ids.size()) + " tokens");
+  llama_engine engine(c, w, {{{policy_kind::full, 0, 0, 0}, 1}}, o.positions, o.arithmetic);
+  std::vector<float> logits(static_cast<std::size_t>(c.vocab));
+  std::ofstream out(o.out, std::ios::binary);
+  double nll = 0.0;
+  const auto t0 = clock_type::now();
+  for (std::int32_t t = 0; t < o.positions; ++t) {
+    const std::int32_t token = ids[std::size_t(o.offset + t)];
+    engine.step(&token, logits.data());
+    out.write(reinterpret_cast<const char*>(logits.data()), std::streamsize(logits.size() * sizeof(float)));
+    if (t + 1 < o.positions) nll += predict(logits.data(), c.vocab, ids[std::size_t(o.offset + t + 1)]).nll;
+  }
+  if (!out) throw std::runtime_error("cannot write " + o.out);
+  std::printf("%d positions from token %d: perplexity %.4f, %.1f tokens/s -> %s\n", o.positions, o.offset,
+              std::exp(nll / (o.positions - 1)), o.positions / seconds_since(t0), o.out.c_str());
+  return 0;
+}
+
+struct metrics {
+  double ppl_evicted = 0, ppl_full_evicted = 0, ppl_all = 0, top1_agree = 0;
+  std::int64_t evicted_positions = 0;
+  double kv_fraction = 1.0;  // cached tokens between steps / window
+};
+
+int run_eval(const options& o, const llama_config& c, const llama_weights& w, const std::vector<std::int32_t>& ids) {
+  const std::int32_t L = o.window, W = o.windows;
+  if (std::int64_t{o.offset} + std::int64_t{L} * W > std::int64_t(ids.size()))
+    throw std::runtime_error("the text has " + std::to_string(ids.size()) + " tokens, fewer than --offset + " +
+                             "--windows x --window");
+  const std::vector<variant> variants = make_variants(o);
+  std::vector<sequence_group> groups;
+  for (const variant& v : variants) groups.push_back({v.spec, W});
+  llama_engine engine(c, w, groups, L, o.arithmetic);
+  const std::int32_t B = engine.batch(), V = c.vocab;
+  std::fprintf(stderr, "%d variants x %d windows of %d tokens = batch %d, %d threads\n", int(variants.size()), W, L, B,
+               omp_threads());
+
+  // Sequence s = g * W + win reads window win.
+  std::vector<double> nll(std::size_t(B) * L, 0.0);
+  std::vector<std::int32_t> top1(std::size_t(B) * L, -1);
+  std::vector<std::int32_t> tokens(static_cast<std::size_t>(B));
+  std::vector<float> logits(std::size_t(B) * V);
+  std::int64_t lse_same = 0, lse_total = 0;
+  const auto t0 = clock_type::now();
+  for (std::int32_t t = 0; t < L; ++t) {
+    for (std::int32_t s = 0; s < B; ++s) tokens[std::size_t(s)] = ids[std::size_t(o.offset + (s % W) * L + t)];
+    engine.step(tokens.data(), logits.data());
+    if (t + 1 < L)
+      for (std::int32_t s = 0; s < B; ++s) {
+        const prediction p = predict(&logits[std::size_t(s) * V], V, ids[std::size_t(o.offset + (s % W) * L + t + 1)]);
+        nll[std::size_t(s) * L + t] = p.nll;
+        top1[std::size_t(s) * L + t] = p.top1;
+      }
+    if (o.lse_check) count_same_decisions(engine, variants, W, lse_same, lse_total);
+    if ((t + 1) % 64 == 0 || t + 1 == L)
+      std::fprintf(stderr, "step %d/%d, %.0f s\n", t + 1, L, seconds_since(t0));
+  }
+  const double elapsed = seconds_since(t0);
+
+  // Metrics: positions t predict token t + 1; "after eviction" means the
+  // policy had already dropped a token, t > budget.
+  std::vector<metrics> m(variants.size());
+  for (std::size_t g = 0; g < variants.size(); ++g) {
+    const std::int32_t budget = variants[g].spec.kind == policy_kind::full ? L : variants[g].spec.budget;
+    double sum_ev = 0, sum_full_ev = 0, sum_all = 0;
+    std::int64_t n_ev = 0, n_all = 0, agree = 0;
+    for (std::int32_t win = 0; win < W; ++win) {
+      const std::size_t s = g * std::size_t(W) + std::size_t(win), ref = std::size_t(win);  // full is group 0
+      for (std::int32_t t = 0; t + 1 < L; ++t) {
+        sum_all += nll[s * L + t];
+        ++n_all;
+        if (t > budget || variants[g].spec.kind == policy_kind::full) {
+          sum_ev += nll[s * L + t];
+          sum_full_ev += nll[ref * L + t];
+          agree += top1[s * L + t] == top1[ref * L + t];
+          ++n_ev;
+        }
+      }
+    }
+    m[g].ppl_all = std::exp(sum_all / double(n_all));
+    m[g].evicted_positions = n_ev;
+    if (n_ev > 0) {
+      m[g].ppl_evicted = std::exp(sum_ev / double(n_ev));
+      m[g].ppl_full_evicted = std::exp(sum_full_ev / double(n_ev));
+      m[g].top1_agree = double(agree) / double(n_ev);
+    }
+    m[g].kv_fraction = double(std::min(budget, L)) / double(L);
+  }
+
+  std::printf("teacher-forced streaming: %d windows x %d tokens from token %d, batch %d, %.0f s (%d threads)\n\n", W,
+              L, o.offset, B, elapsed, omp_threads());
+  std::printf("| policy | budget | ppl after eviction | full cache, same positions | change | top-1 agreement | ppl overall |\n");
+  std::printf("|---|---|---|---|---|---|---|\n");
+  for (std::size_t g = 0; g < variants.size(); ++g) {
+    const variant& v = variants[g];
+    if (v.spec.kind == policy_kind::full) {
+      std::printf("| full | 100%% | - | - | - | - | %.3f |\n", m[g].ppl_all);
+      continue;
+    }
+    std::printf("| %s | %d%% (%d) | %.3f | %.3f | %+.1f%% | %.1f%% | %.3f |\n", v.name.c_str(), v.percent,
+                v.spec.budget, m[g].ppl_evicted, m[g].ppl_full_evicted,
+                100.0 * (m[g].ppl_evicted / m[g].ppl_full_evicted - 1.0), 100.0 * m[g].top1_agree, m[g].ppl_all);
+  }
+  if (o.lse_check)
+    std::printf("\nh2o fed through q + LSE made the same decisions as h2o fed probabilities in %lld of %lld "
+                "(layer, head, step) checks\n",
+                static_cast<long long>(lse_same), static_cast<long long>(lse_total));
+
+  if (!o.json.empty()) {
+    std::ofstream js(o.json);
+    js << "{\n  \"model\": \"" << o.model.substr(o.model.find_last_of('/') + 1) << "\",\n"
+       << "  \"text\": \"" << o.text.substr(o.text.find_last_of('/') + 1) << "\",\n"
+       << "  \"window\": " << L << ", \"windows\": " << W << ", \"offset\": " << o.offset << ", \"batch\": " << B
+       << ", \"seconds\": " << elapsed << ", \"threads\": " << omp_threads() << ",\n  \"results\": [\n";
+    for (std::size_t g = 0; g < variants.size(); ++g) {
+      js << "    {\"policy\": \"" << variants[g].name << "\", \"percent\": " << variants[g].percent
+         << ", \"budget\": " << (variants[g].spec.kind == policy_kind::full ? L : variants[g].spec.budget)
+         << ", \"ppl_evicted\": " << m[g].ppl_evicted << ", \"ppl_full_same_positions\": " << m[g].ppl_full_evicted
+         << ", \"top1_agreement\": " << m[g].top1_agree << ", \"ppl_all\": " << m[g].ppl_all
+         << ", \"evicted_positions\": " << m[g].evicted_positions << "}" << (g + 1 < variants.size() ? "," : "")
+         << "\n";
+    }
+    js << "  ]";
+    if (o.lse_check) js << ",\n  \"lse_check\": {\"same\": " << lse_same << ", \"total\": " << lse_total << "}";
+    js << "\n}\n";
+    if (!js) throw std::runtime_error("cannot write " + o.json);
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const options o = parse(argc, argv);
+  try {
+    const auto t0 = clock_type::now();
+    const gguf_file file = gguf_file::load(o.model);
+    const llama_config config = llama_config::from_gguf(file);
+    const llama_weights weights = llama_weights::from_gguf(file, config);
+    const bpe_tokenizer tok = tokenizer_from_gguf(file);
+    const std::vector<std::int32_t> ids = tok.encode(read_file(o.text));
+    std::fprintf(stderr, "model: %d layers, %d/%d heads, head_dim %d, vocab %d; text: %zu tokens; loaded in %.1f s\n",
+                 config.n_layers, config.n_heads, config.n_kv_heads, config.head_dim, config.vocab, ids.size(),
+                 seconds_since(t0));
+    if (o.mode == "tokenize") return run_tokenize(o, tok, ids);
+    if (o.mode == "score") return run_score(o, config, weights, ids);
+    return run_eval(o, config, weights, ids);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "kvevict_fidelity: %s\n", e.what());
+    return 1;
+  }
+}
