@@ -2,9 +2,13 @@
 # Installs the Debian packages the given build needs, skipping those present.
 #   scripts/install-deps.sh demo   -> compiler and CMake
 #   scripts/install-deps.sh tests  -> plus doctest and Google Benchmark
+#   scripts/install-deps.sh fidelity -> plus pip and unzip (model download)
 set -euo pipefail
 packages=(g++ cmake make)
-if [ "${1:-tests}" = tests ]; then packages+=(doctest-dev libbenchmark-dev); fi
+case "${1:-tests}" in
+  tests) packages+=(doctest-dev libbenchmark-dev) ;;
+  fidelity) packages+=(python3-pip unzip) ;;
+esac
 missing=()
 for p in "${packages[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 [ ${#missing[@]} -eq 0 ] && exit 0
