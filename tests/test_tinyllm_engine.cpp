@@ -368,3 +368,127 @@ TEST_CASE("tinyllm: bad input is rejected with a message that names it, and chan
   c.ffn_dim = 50;  // wrong shape
   CHECK_THROWS_WITH_AS(llama_weights::from_gguf(f, c), doctest::Contains("ffn_gate.weight"), format_error);
 }
+
+TEST_CASE("tinyllm: h2o and random attend exactly to what their slot tables kept, per layer and head") {
+  const hf_model m = make_model(14);
+  const loaded l(m);
+  const int steps = 30, budget = 7;
+  for (const policy_kind kind : {policy_kind::h2o, policy_kind::random}) {
+    CAPTURE(static_cast<int>(kind));
+    llama_engine engine(l.config, l.weights, {{{kind, budget, 0, 5}, 1}}, steps);
+    reference ref{m, {}, {}};
+    const std::vector<int> tokens = random_tokens(15, steps);
+    std::vector<float> logits(static_cast<std::size_t>(vocab));
+    std::vector<std::set<int>> kept(std::size_t(n_layers * n_kv));  // after the previous step
+    double worst = 0;
+    for (int t = 0; t < steps; ++t) {
+      const std::int32_t token = tokens[std::size_t(t)];
+      engine.step(&token, logits.data());
+      const std::vector<double> want = ref.step(token, t, [&](int layer, int h, int pos, int p) {
+        return p == pos || kept[std::size_t(layer * n_kv + h)].count(p) > 0;
+      });
+      for (int i = 0; i < vocab; ++i) worst = std::max(worst, std::abs(logits[std::size_t(i)] - want[std::size_t(i)]));
+      for (int layer = 0; layer < n_layers; ++layer) {
+        const kvevict::slot_table& slots = std::visit(
+            [](const auto& p) -> const kvevict::slot_table& { return p.slots(); }, engine.cache(layer, 0).policy());
+        for (int h = 0; h < n_kv; ++h) {
+          std::set<int>& k = kept[std::size_t(layer * n_kv + h)];
+          k.clear();
+          for (int s = 0; s < slots.capacity(); ++s)
+            if (slots.position(0, h, s) >= 0) k.insert(slots.position(0, h, s));
+          CHECK(k.size() == std::size_t(std::min(t + 1, budget)));
+          CHECK(k.count(t) == (kind == policy_kind::h2o ? 1u : k.count(t)));  // h2o keeps its recent half
+        }
+      }
+    }
+    CHECK(worst < 2e-3);
+  }
+}
+
+TEST_CASE("tinyllm: llama.cpp-style 8-bit activations follow their formulas") {
+  std::mt19937 rng(16);
+  std::uniform_real_distribution<float> u(-3.0f, 3.0f);
+  std::vector<float> x(96);
+  for (float& v : x) v = u(rng);
+  x[40] = 0.0f;
+  std::vector<q8_activations> blocks(3);
+  quantize_q8(x.data(), 96, blocks.data());
+  for (int b = 0; b < 3; ++b) {
+    float amax = 0;
+    int sum = 0, qmax = 0;
+    for (int j = 0; j < 32; ++j) amax = std::max(amax, std::abs(x[std::size_t(b * 32 + j)]));
+    const float d = amax / 127.0f;
+    for (int j = 0; j < 32; ++j) {
+      const int q = blocks[std::size_t(b)].q[j];
+      sum += q;
+      qmax = std::max(qmax, std::abs(q));
+      CHECK(std::abs(x[std::size_t(b * 32 + j)] - static_cast<float>(q) * d) <= d * 0.5f * 1.0001f);  // nearest level
+    }
+    CHECK(qmax == 127);
+    CHECK(blocks[std::size_t(b)].d == round_to_half(d));
+    CHECK(blocks[std::size_t(b)].s == round_to_half(d * float(sum)));
+  }
+  CHECK_THROWS_AS(quantize_q8(x.data(), 40, blocks.data()), format_error);
+
+  // One Q4_1 and one Q8_0 row of three blocks against the formula.
+  std::vector<std::uint8_t> q41, q80;
+  std::vector<int> nib(96), w8(96);
+  const float dw = 0.125f, mw = -0.5f;
+  for (int b = 0; b < 3; ++b) {
+    const auto put_half = [](std::vector<std::uint8_t>& out, float v) {
+      const std::uint16_t h = kvevict::float_to_half(v).bits;
+      out.push_back(static_cast<std::uint8_t>(h & 0xFF));
+      out.push_back(static_cast<std::uint8_t>(h >> 8));
+    };
+    put_half(q41, dw);
+    put_half(q41, mw);
+    put_half(q80, dw);
+    for (int j = 0; j < 16; ++j) {
+      nib[std::size_t(b * 32 + j)] = (j * 7 + b) % 16;
+      nib[std::size_t(b * 32 + j + 16)] = (j * 5 + 3 * b) % 16;
+      q41.push_back(static_cast<std::uint8_t>(nib[std::size_t(b * 32 + j)] | nib[std::size_t(b * 32 + j + 16)] << 4));
+    }
+    for (int j = 0; j < 32; ++j) {
+      w8[std::size_t(b * 32 + j)] = (j * 37 + b * 11) % 255 - 127;
+      q80.push_back(static_cast<std::uint8_t>(static_cast<std::int8_t>(w8[std::size_t(b * 32 + j)])));
+    }
+  }
+  double want41 = 0, want80 = 0;
+  for (int b = 0; b < 3; ++b) {
+    const q8_activations& a = blocks[std::size_t(b)];
+    long s41 = 0, s80 = 0;
+    for (int j = 0; j < 32; ++j) {
+      s41 += nib[std::size_t(b * 32 + j)] * a.q[j];
+      s80 += w8[std::size_t(b * 32 + j)] * a.q[j];
+    }
+    want41 += double(dw) * a.d * double(s41) + double(mw) * a.s;
+    want80 += double(dw) * a.d * double(s80);
+  }
+  CHECK(dot_q8(ggml_type::q4_1, q41.data(), blocks.data(), 96) == doctest::Approx(want41).epsilon(1e-5));
+  CHECK(dot_q8(ggml_type::q8_0, q80.data(), blocks.data(), 96) == doctest::Approx(want80).epsilon(1e-5));
+  CHECK_THROWS_AS(dot_q8(ggml_type::f32, q80.data(), blocks.data(), 96), format_error);
+}
+
+TEST_CASE("tinyllm: llama.cpp-style rounding stays close to the exact model") {
+  const hf_model m = make_model(17);
+  const loaded l(m);
+  const int steps = 20;
+  llama_engine engine(l.config, l.weights, {{{policy_kind::full, 0, 0, 0}, 1}}, steps, numerics::llama_cpp());
+  reference ref{m, {}, {}};
+  const std::vector<int> tokens = random_tokens(18, steps);
+  std::vector<float> logits(static_cast<std::size_t>(vocab));
+  double worst = 0, scale = 0;
+  for (int t = 0; t < steps; ++t) {
+    const std::int32_t token = tokens[std::size_t(t)];
+    engine.step(&token, logits.data());
+    const std::vector<double> want = ref.step(token, t, [](int, int, int, int) { return true; });
+    for (int i = 0; i < vocab; ++i) {
+      worst = std::max(worst, std::abs(logits[std::size_t(i)] - want[std::size_t(i)]));
+      scale = std::max(scale, std::abs(want[std::size_t(i)]));
+    }
+  }
+  CHECK(worst > 0.0);  // it does round
+  CHECK(worst < 0.05 * scale);
+  const std::int32_t token = 0;
+  CHECK_THROWS_AS(engine.step(&token, logits.data()), std::length_error);  // past max_tokens
+}

@@ -13,6 +13,7 @@
 #include "tinyllm/kernels.hpp"
 #include "tinyllm/layer_cache.hpp"
 #include "tinyllm/llama_model.hpp"
+#include "tinyllm/matmul.hpp"
 #include "tinyllm/numerics.hpp"
 
 namespace tinyllm {
@@ -28,7 +29,7 @@ class llama_engine {
   /// max_tokens: the most tokens any sequence will be fed.
   llama_engine(const llama_config& config, const llama_weights& weights, const std::vector<sequence_group>& groups,
                std::int32_t max_tokens, numerics arithmetic = {})
-      : config_(config), weights_(weights), numerics_(arithmetic) {
+      : config_(config), weights_(weights), numerics_(arithmetic), max_tokens_(max_tokens) {
     if (groups.empty()) throw std::invalid_argument("llama_engine: groups is empty");
     for (std::size_t g = 0; g < groups.size(); ++g)
       for (std::int32_t b = 0; b < groups[g].num_seqs; ++b) members_.push_back({static_cast<std::int32_t>(g), b});
@@ -60,6 +61,8 @@ class llama_engine {
   const layer_cache& cache(std::int32_t layer, std::int32_t g) const { return caches_.at(std::size_t(layer)).at(std::size_t(g)); }
 
   /// Feeds tokens[s] to every sequence s; writes next-token logits, [batch][vocab].
+  /// Bad input is rejected before anything changes; any other exception
+  /// (a bug) leaves the batch half-stepped and unusable.
   void step(const std::int32_t* tokens, float* logits) {
     const llama_config& c = config_;
     const std::size_t dim = std::size_t(c.dim), hd = std::size_t(c.head_dim);
@@ -68,6 +71,9 @@ class llama_engine {
       if (tokens[s] < 0 || tokens[s] >= c.vocab)
         throw std::out_of_range("llama_engine::step: tokens[" + std::to_string(s) + "] = " + std::to_string(tokens[s]) +
                                 " is outside the vocabulary [0, " + std::to_string(c.vocab) + ")");
+    if (positions_.front() >= max_tokens_)  // the full cache would start evicting
+      throw std::length_error("llama_engine::step: every sequence already holds max_tokens = " +
+                              std::to_string(max_tokens_) + " tokens");
     for (std::int32_t s = 0; s < batch_; ++s) weights_.token_embd.dequantize(tokens[s], &x_[s * dim]);
 
     for (std::int32_t l = 0; l < c.n_layers; ++l) {
@@ -138,6 +144,7 @@ class llama_engine {
   llama_config config_;
   const llama_weights& weights_;
   numerics numerics_;
+  std::int32_t max_tokens_;
   std::vector<member> members_;
   std::int32_t batch_ = 0;
   std::vector<std::vector<layer_cache>> caches_;  // [layer][group]

@@ -43,6 +43,14 @@ struct options {
   numerics arithmetic;  // plain float
 };
 
+constexpr std::int32_t recent_window_sinks = 4;
+
+bool known_policy(const std::string& p) {
+  for (const char* name : {"full", "h2o", "recent_window", "recent_only", "random", "exact_greedy"})
+    if (p == name) return true;
+  return false;
+}
+
 [[noreturn]] void usage(const std::string& why) {
   std::fprintf(stderr,
                "error: %s\n"
@@ -116,6 +124,15 @@ options parse(int argc, char** argv) {
   if (o.model.empty() || o.text.empty()) usage("--model and --text are required");
   if (o.mode != "eval" && o.out.empty()) usage(o.mode + " needs --out");
   if (o.window < 2 || o.windows < 1) usage("--window must be at least 2 and --windows at least 1");
+  if (o.mode == "score" && o.positions < 2) usage("--positions must be at least 2");
+  for (const std::string& p : o.policies)
+    if (!known_policy(p)) usage("unknown policy " + p);
+  const bool has_h2o = std::find(o.policies.begin(), o.policies.end(), "h2o") != o.policies.end();
+  if (o.lse_check && !has_h2o) usage("--lse-check compares with h2o, which --policies leaves out");
+  for (int pct : o.budgets)
+    if (std::int64_t{o.window} * pct / 100 <= recent_window_sinks)
+      usage("a " + std::to_string(pct) + "% budget of a " + std::to_string(o.window) + "-token window leaves no room " +
+            "beyond recent_window's " + std::to_string(recent_window_sinks) + " sinks");
   return o;
 }
 
@@ -156,23 +173,20 @@ std::vector<variant> make_variants(const options& o) {
   std::vector<variant> out;
   out.push_back({"full", 100, {policy_kind::full, o.window, 0, 0}});  // always: the reference of every metric
   for (int pct : o.budgets) {
-    const std::int32_t budget = std::max(1, static_cast<std::int32_t>(std::int64_t{o.window} * pct / 100));
-    for (const std::string& p : o.policies) {
-      if (p == "full") continue;
-      policy_spec s{policy_kind::h2o, budget, 0, o.seed};
-      if (p == "h2o") s.kind = policy_kind::h2o;
-      else if (p == "recent_window") s.kind = policy_kind::recent_window, s.sinks = 4;
-      else if (p == "recent_only") s.kind = policy_kind::recent_window, s.sinks = 0;
-      else if (p == "random") s.kind = policy_kind::random;
-      else if (p == "exact_greedy") s.kind = policy_kind::exact_greedy;
-      else usage("unknown policy " + p);
-      out.push_back({p, pct, s});
+    const std::int32_t budget = static_cast<std::int32_t>(std::int64_t{o.window} * pct / 100);
+    const auto add = [&](const std::string& name, policy_kind kind, std::int32_t sinks, score_source source) {
+      policy_spec s{kind, budget, sinks, o.seed};
+      s.source = source;
+      out.push_back({name, pct, s});
+    };
+    for (const std::string& p : o.policies) {  // names were checked by parse
+      if (p == "h2o") add(p, policy_kind::h2o, 0, score_source::probs);
+      if (p == "recent_window") add(p, policy_kind::recent_window, recent_window_sinks, score_source::probs);
+      if (p == "recent_only") add(p, policy_kind::recent_window, 0, score_source::probs);
+      if (p == "random") add(p, policy_kind::random, 0, score_source::probs);
+      if (p == "exact_greedy") add(p, policy_kind::exact_greedy, 0, score_source::probs);
     }
-    if (o.lse_check) {
-      policy_spec s{policy_kind::h2o, budget, 0, o.seed};
-      s.source = score_source::lse;
-      out.push_back({"h2o_lse", pct, s});
-    }
+    if (o.lse_check) add("h2o_lse", policy_kind::h2o, 0, score_source::lse);
   }
   return out;
 }
@@ -185,20 +199,23 @@ int omp_threads() {
 #endif
 }
 
-/// For --lse-check: compares, after a step, the slot tables of h2o fed
-/// probabilities with those of h2o fed q + LSE, per (layer, window, head).
-void count_same_decisions(const llama_engine& engine, const std::vector<variant>& variants, std::int32_t windows,
-                          std::int64_t& same, std::int64_t& total) {
-  for (std::size_t a = 0; a < variants.size(); ++a) {
-    if (variants[a].name != "h2o") continue;
-    for (std::size_t b = 0; b < variants.size(); ++b) {
-      if (variants[b].name != "h2o_lse" || variants[b].percent != variants[a].percent) continue;
+/// For --lse-check, after step `step`: counts the (layer, window, KV head)
+/// whose slot tables are identical under h2o fed probabilities and h2o fed
+/// q + LSE, once the policies have started evicting (before that the tables
+/// are equal by construction). A difference persists, so this counts
+/// identical states, not identical single decisions.
+void count_same_slot_tables(const llama_engine& engine, const std::vector<variant>& variants, std::int32_t windows,
+                            std::int32_t step, std::int64_t& same, std::int64_t& total) {
+  for (std::size_t by_probs = 0; by_probs < variants.size(); ++by_probs) {
+    if (variants[by_probs].name != "h2o" || step < variants[by_probs].spec.budget) continue;
+    for (std::size_t by_lse = 0; by_lse < variants.size(); ++by_lse) {
+      if (variants[by_lse].name != "h2o_lse" || variants[by_lse].percent != variants[by_probs].percent) continue;
       for (std::int32_t l = 0; l < engine.layers(); ++l) {
-        const auto& pa = std::get<kvevict::h2o_policy>(engine.cache(l, std::int32_t(a)).policy()).slots();
-        const auto& pb = std::get<kvevict::h2o_policy>(engine.cache(l, std::int32_t(b)).policy()).slots();
+        const auto& x = std::get<kvevict::h2o_policy>(engine.cache(l, std::int32_t(by_probs)).policy()).slots();
+        const auto& y = std::get<kvevict::h2o_policy>(engine.cache(l, std::int32_t(by_lse)).policy()).slots();
         for (std::int32_t w = 0; w < windows; ++w)
-          for (std::int32_t h = 0; h < pa.num_heads(); ++h) {
-            same += std::equal(pa.positions_of(w, h), pa.positions_of(w, h) + pa.capacity(), pb.positions_of(w, h));
+          for (std::int32_t h = 0; h < x.num_heads(); ++h) {
+            same += std::equal(x.positions_of(w, h), x.positions_of(w, h) + x.capacity(), y.positions_of(w, h));
             ++total;
           }
       }
@@ -240,106 +257,104 @@ int run_score(const options& o, const llama_config& c, const llama_weights& w, c
 
 struct metrics {
   double ppl_evicted = 0, ppl_full_evicted = 0, ppl_all = 0, top1_agree = 0;
-  std::int64_t evicted_positions = 0;
-  double kv_fraction = 1.0;  // cached tokens between steps / window
+  std::int64_t positions_after_eviction = 0;
 };
 
 int run_eval(const options& o, const llama_config& c, const llama_weights& w, const std::vector<std::int32_t>& ids) {
-  const std::int32_t L = o.window, W = o.windows;
-  if (std::int64_t{o.offset} + std::int64_t{L} * W > std::int64_t(ids.size()))
+  const std::int32_t length = o.window, windows = o.windows;
+  if (std::int64_t{o.offset} + std::int64_t{length} * windows > std::int64_t(ids.size()))
     throw std::runtime_error("the text has " + std::to_string(ids.size()) + " tokens, fewer than --offset + " +
                              "--windows x --window");
   const std::vector<variant> variants = make_variants(o);
   std::vector<sequence_group> groups;
-  for (const variant& v : variants) groups.push_back({v.spec, W});
-  llama_engine engine(c, w, groups, L, o.arithmetic);
-  const std::int32_t B = engine.batch(), V = c.vocab;
-  std::fprintf(stderr, "%d variants x %d windows of %d tokens = batch %d, %d threads\n", int(variants.size()), W, L, B,
+  for (const variant& v : variants) groups.push_back({v.spec, windows});
+  llama_engine engine(c, w, groups, length, o.arithmetic);
+  const std::int32_t batch = engine.batch(), vocab = c.vocab;
+  std::fprintf(stderr, "%d variants x %d windows of %d tokens = batch %d, %d threads\n", int(variants.size()), windows, length, batch,
                omp_threads());
 
-  // Sequence s = g * W + win reads window win.
-  std::vector<double> nll(std::size_t(B) * L, 0.0);
-  std::vector<std::int32_t> top1(std::size_t(B) * L, -1);
-  std::vector<std::int32_t> tokens(static_cast<std::size_t>(B));
-  std::vector<float> logits(std::size_t(B) * V);
+  // Sequence s = g * windows + win reads window win.
+  std::vector<double> nll(std::size_t(batch) * length, 0.0);
+  std::vector<std::int32_t> top1(std::size_t(batch) * length, -1);
+  std::vector<std::int32_t> tokens(static_cast<std::size_t>(batch));
+  std::vector<float> logits(std::size_t(batch) * vocab);
   std::int64_t lse_same = 0, lse_total = 0;
   const auto t0 = clock_type::now();
-  for (std::int32_t t = 0; t < L; ++t) {
-    for (std::int32_t s = 0; s < B; ++s) tokens[std::size_t(s)] = ids[std::size_t(o.offset + (s % W) * L + t)];
+  for (std::int32_t t = 0; t < length; ++t) {
+    for (std::int32_t s = 0; s < batch; ++s) tokens[std::size_t(s)] = ids[std::size_t(o.offset + (s % windows) * length + t)];
     engine.step(tokens.data(), logits.data());
-    if (t + 1 < L)
-      for (std::int32_t s = 0; s < B; ++s) {
-        const prediction p = predict(&logits[std::size_t(s) * V], V, ids[std::size_t(o.offset + (s % W) * L + t + 1)]);
-        nll[std::size_t(s) * L + t] = p.nll;
-        top1[std::size_t(s) * L + t] = p.top1;
+    if (t + 1 < length)
+      for (std::int32_t s = 0; s < batch; ++s) {
+        const prediction p = predict(&logits[std::size_t(s) * vocab], vocab, ids[std::size_t(o.offset + (s % windows) * length + t + 1)]);
+        nll[std::size_t(s) * length + t] = p.nll;
+        top1[std::size_t(s) * length + t] = p.top1;
       }
-    if (o.lse_check) count_same_decisions(engine, variants, W, lse_same, lse_total);
-    if ((t + 1) % 64 == 0 || t + 1 == L)
-      std::fprintf(stderr, "step %d/%d, %.0f s\n", t + 1, L, seconds_since(t0));
+    if (o.lse_check) count_same_slot_tables(engine, variants, windows, t, lse_same, lse_total);
+    if ((t + 1) % 64 == 0 || t + 1 == length)
+      std::fprintf(stderr, "step %d/%d, %.0f s\n", t + 1, length, seconds_since(t0));
   }
   const double elapsed = seconds_since(t0);
 
   // Metrics: positions t predict token t + 1; "after eviction" means the
   // policy had already dropped a token, t > budget.
-  std::vector<metrics> m(variants.size());
+  std::vector<metrics> stats(variants.size());
   for (std::size_t g = 0; g < variants.size(); ++g) {
-    const std::int32_t budget = variants[g].spec.kind == policy_kind::full ? L : variants[g].spec.budget;
+    const std::int32_t budget = variants[g].spec.kind == policy_kind::full ? length : variants[g].spec.budget;
     double sum_ev = 0, sum_full_ev = 0, sum_all = 0;
     std::int64_t n_ev = 0, n_all = 0, agree = 0;
-    for (std::int32_t win = 0; win < W; ++win) {
-      const std::size_t s = g * std::size_t(W) + std::size_t(win), ref = std::size_t(win);  // full is group 0
-      for (std::int32_t t = 0; t + 1 < L; ++t) {
-        sum_all += nll[s * L + t];
+    for (std::int32_t win = 0; win < windows; ++win) {
+      const std::size_t s = g * std::size_t(windows) + std::size_t(win), ref = std::size_t(win);  // full is group 0
+      for (std::int32_t t = 0; t + 1 < length; ++t) {
+        sum_all += nll[s * length + t];
         ++n_all;
         if (t > budget || variants[g].spec.kind == policy_kind::full) {
-          sum_ev += nll[s * L + t];
-          sum_full_ev += nll[ref * L + t];
-          agree += top1[s * L + t] == top1[ref * L + t];
+          sum_ev += nll[s * length + t];
+          sum_full_ev += nll[ref * length + t];
+          agree += top1[s * length + t] == top1[ref * length + t];
           ++n_ev;
         }
       }
     }
-    m[g].ppl_all = std::exp(sum_all / double(n_all));
-    m[g].evicted_positions = n_ev;
+    stats[g].ppl_all = std::exp(sum_all / double(n_all));
+    stats[g].positions_after_eviction = n_ev;
     if (n_ev > 0) {
-      m[g].ppl_evicted = std::exp(sum_ev / double(n_ev));
-      m[g].ppl_full_evicted = std::exp(sum_full_ev / double(n_ev));
-      m[g].top1_agree = double(agree) / double(n_ev);
+      stats[g].ppl_evicted = std::exp(sum_ev / double(n_ev));
+      stats[g].ppl_full_evicted = std::exp(sum_full_ev / double(n_ev));
+      stats[g].top1_agree = double(agree) / double(n_ev);
     }
-    m[g].kv_fraction = double(std::min(budget, L)) / double(L);
   }
 
-  std::printf("teacher-forced streaming: %d windows x %d tokens from token %d, batch %d, %.0f s (%d threads)\n\n", W,
-              L, o.offset, B, elapsed, omp_threads());
+  std::printf("teacher-forced streaming: %d windows x %d tokens from token %d, batch %d, %.0f s (%d threads)\n\n", windows,
+              length, o.offset, batch, elapsed, omp_threads());
   std::printf("| policy | budget | ppl after eviction | full cache, same positions | change | top-1 agreement | ppl overall |\n");
   std::printf("|---|---|---|---|---|---|---|\n");
   for (std::size_t g = 0; g < variants.size(); ++g) {
     const variant& v = variants[g];
     if (v.spec.kind == policy_kind::full) {
-      std::printf("| full | 100%% | - | - | - | - | %.3f |\n", m[g].ppl_all);
+      std::printf("| full | 100%% | - | - | - | - | %.3f |\n", stats[g].ppl_all);
       continue;
     }
     std::printf("| %s | %d%% (%d) | %.3f | %.3f | %+.1f%% | %.1f%% | %.3f |\n", v.name.c_str(), v.percent,
-                v.spec.budget, m[g].ppl_evicted, m[g].ppl_full_evicted,
-                100.0 * (m[g].ppl_evicted / m[g].ppl_full_evicted - 1.0), 100.0 * m[g].top1_agree, m[g].ppl_all);
+                v.spec.budget, stats[g].ppl_evicted, stats[g].ppl_full_evicted,
+                100.0 * (stats[g].ppl_evicted / stats[g].ppl_full_evicted - 1.0), 100.0 * stats[g].top1_agree, stats[g].ppl_all);
   }
   if (o.lse_check)
-    std::printf("\nh2o fed through q + LSE made the same decisions as h2o fed probabilities in %lld of %lld "
-                "(layer, head, step) checks\n",
+    std::printf("\nh2o fed q + LSE and h2o fed probabilities had identical slot tables in %lld of %lld "
+                "(layer, window, KV head, step) checks after the first eviction\n",
                 static_cast<long long>(lse_same), static_cast<long long>(lse_total));
 
   if (!o.json.empty()) {
     std::ofstream js(o.json);
     js << "{\n  \"model\": \"" << o.model.substr(o.model.find_last_of('/') + 1) << "\",\n"
        << "  \"text\": \"" << o.text.substr(o.text.find_last_of('/') + 1) << "\",\n"
-       << "  \"window\": " << L << ", \"windows\": " << W << ", \"offset\": " << o.offset << ", \"batch\": " << B
+       << "  \"window\": " << length << ", \"windows\": " << windows << ", \"offset\": " << o.offset << ", \"batch\": " << batch
        << ", \"seconds\": " << elapsed << ", \"threads\": " << omp_threads() << ",\n  \"results\": [\n";
     for (std::size_t g = 0; g < variants.size(); ++g) {
       js << "    {\"policy\": \"" << variants[g].name << "\", \"percent\": " << variants[g].percent
-         << ", \"budget\": " << (variants[g].spec.kind == policy_kind::full ? L : variants[g].spec.budget)
-         << ", \"ppl_evicted\": " << m[g].ppl_evicted << ", \"ppl_full_same_positions\": " << m[g].ppl_full_evicted
-         << ", \"top1_agreement\": " << m[g].top1_agree << ", \"ppl_all\": " << m[g].ppl_all
-         << ", \"evicted_positions\": " << m[g].evicted_positions << "}" << (g + 1 < variants.size() ? "," : "")
+         << ", \"budget\": " << (variants[g].spec.kind == policy_kind::full ? length : variants[g].spec.budget)
+         << ", \"ppl_evicted\": " << stats[g].ppl_evicted << ", \"ppl_full_same_positions\": " << stats[g].ppl_full_evicted
+         << ", \"top1_agreement\": " << stats[g].top1_agree << ", \"ppl_all\": " << stats[g].ppl_all
+         << ", \"positions_after_eviction\": " << stats[g].positions_after_eviction << "}" << (g + 1 < variants.size() ? "," : "")
          << "\n";
     }
     js << "  ]";

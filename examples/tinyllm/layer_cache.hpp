@@ -60,8 +60,6 @@ class layer_cache {
                                       std::to_string(max_kv_heads));
   }
 
-  std::int32_t capacity() const noexcept { return cache_.capacity(); }
-  std::size_t bytes() const noexcept { return cache_.bytes(); }
   const policy_variant& policy() const noexcept { return policy_; }
 
   /// One decode step of sequence b. k, v: the new token's rows [kv_heads][head_dim]
@@ -94,6 +92,7 @@ class layer_cache {
 
   template <class Policy>
   void decode(Policy& policy, std::int32_t b, const float* q, const float* k, const float* v, float* out) {
+    using kvevict::make_tensor_view;
     const auto view = cache_.view();
     const kvevict::policy_shape& shape = policy.shape();
     const std::int32_t heads = shape.num_kv_heads, q_heads = shape.num_q_heads, d = view.head_dim;
@@ -113,8 +112,8 @@ class layer_cache {
 
     // 1-2. the new token's slot, then its K/V rows
     for (std::int32_t h = 0; h < heads; ++h) slots[h] = policy.next_slot(b, h);
-    kvevict::scatter(view, b, slots, kvevict::make_tensor_view<const float>(k, heads, d),
-                     kvevict::make_tensor_view<const float>(v, heads, d));
+    kvevict::scatter(view, b, slots, make_tensor_view<const float>(k, heads, d),
+                     make_tensor_view<const float>(v, heads, d));
     policy.append(b);
 
     // 3. attention over the occupied slots, keeping the probabilities
@@ -143,14 +142,12 @@ class layer_cache {
     }
 
     // 4. scores
-    using kvevict::make_tensor_view;
     const kvevict::decode_queries<float> queries{make_tensor_view<const float>(q, q_heads, d),
                                                  make_tensor_view<const float>(lse_.data(), q_heads), scale};
-    if constexpr (std::is_same_v<Policy, kvevict::exact_greedy_policy>) {
+    constexpr bool needs_queries = std::is_same_v<Policy, kvevict::exact_greedy_policy>;
+    if (needs_queries || source_ == score_source::lse) {
       policy.observe(b, queries, view);
-    } else if (source_ == score_source::lse) {
-      policy.observe(b, queries, view);
-    } else {
+    } else if constexpr (!needs_queries) {  // exact_greedy has no probability overload
       policy.observe(b, kvevict::decode_probs{make_tensor_view<const float>(probs_.data(), q_heads, cap)});
     }
     // 5. back to the budget

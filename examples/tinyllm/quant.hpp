@@ -170,10 +170,4 @@ inline void dequantize_row(ggml_type t, const void* src, float* dst, std::int64_
   detail::invalid_type(t);
 }
 
-/// Whether llama.cpp multiplies weights of type t with Q8-rounded activations
-/// (quant_dot.hpp).
-inline bool rounds_activations(ggml_type t) noexcept {
-  return t == ggml_type::q4_0 || t == ggml_type::q4_1 || t == ggml_type::q8_0;
-}
-
 }  // namespace tinyllm

@@ -9,13 +9,17 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <exception>
 #include <string>
-#include <vector>
 
+#include "tinyllm/numerics.hpp"
 #include "tinyllm/quant.hpp"
 
 namespace tinyllm {
+
+/// Whether llama.cpp multiplies weights of type t with 8-bit activations.
+inline bool rounds_activations(ggml_type t) noexcept {
+  return t == ggml_type::q4_0 || t == ggml_type::q4_1 || t == ggml_type::q8_0;
+}
 
 /// 32 activations as Q8_1: x ~ q * d; s = d * sum(q). d and s are stored in
 /// half precision, so they hold the rounded values.
@@ -39,8 +43,8 @@ inline void quantize_q8(const float* x, std::int64_t n, q8_activations* out) {
       out[b].q[j] = static_cast<std::int8_t>(std::nearbyint(v[j] * id));
       sum += out[b].q[j];
     }
-    out[b].d = kvevict::half_to_float(kvevict::float_to_half(d));
-    out[b].s = kvevict::half_to_float(kvevict::float_to_half(d * static_cast<float>(sum)));
+    out[b].d = round_to_half(d);
+    out[b].s = round_to_half(d * static_cast<float>(sum));
   }
 }
 
