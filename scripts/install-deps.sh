@@ -2,12 +2,12 @@
 # Installs the Debian packages the given build needs, skipping those present.
 #   scripts/install-deps.sh demo   -> compiler and CMake
 #   scripts/install-deps.sh tests  -> plus doctest and Google Benchmark
-#   scripts/install-deps.sh fidelity -> plus pip and unzip (model download)
+#   scripts/install-deps.sh fidelity -> plus pip, venv and unzip (model download, llama.cpp check)
 set -euo pipefail
 packages=(g++ cmake make)
 case "${1:-tests}" in
   tests) packages+=(doctest-dev libbenchmark-dev) ;;
-  fidelity) packages+=(python3-pip unzip) ;;
+  fidelity) packages+=(python3-pip python3-venv unzip) ;;
 esac
 missing=()
 for p in "${packages[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done

@@ -22,7 +22,7 @@ if ! ok "$model" "$model_sha"; then
   ok "$model" "$model_sha" || { echo "fetch.sh: $model has an unexpected sha256" >&2; exit 1; }
 fi
 if ! ok "$text" "$text_sha"; then
-  python3 -m pip download --quiet --no-deps --no-binary :all: --dest . sentencepiece==0.2.3 >&2
+  python3 -m pip download --quiet --no-deps --no-binary sentencepiece --dest . sentencepiece==0.2.3 >&2
   tar -xzf sentencepiece-0.2.3.tar.gz -O sentencepiece-0.2.3/test/botchan.txt > "$text"
   ok "$text" "$text_sha" || { echo "fetch.sh: $text has an unexpected sha256" >&2; exit 1; }
 fi
