@@ -35,7 +35,6 @@ struct policy_spec {
   score_source source = score_source::probs;
 };
 
-
 /// The cache of one layer for a group of sequences that share a policy.
 class layer_cache {
  public:

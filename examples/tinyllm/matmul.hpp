@@ -62,6 +62,7 @@ inline void matmul(const weight_matrix& w, const float* x, std::int32_t batch, f
 /// y[b][r] = w[r] . x[b] with activations already quantised, x: [batch][cols / 32]
 /// blocks (w must be Q4_0, Q4_1 or Q8_0; see quant_dot.hpp).
 inline void matmul_q8(const weight_matrix& w, const q8_activations* x, std::int32_t batch, float* y) {
+  // checked here, so that dot_q8 cannot throw inside the parallel region
   if (!rounds_activations(w.type)) throw format_error(std::string("matmul_q8: ") + type_name(w.type) + " weights");
   const std::int64_t blocks = w.cols / 32;
 #pragma omp parallel for schedule(static) if (worth_threads(w, batch))
