@@ -51,6 +51,8 @@ class llama_engine {
     v_.resize(B * kv_dim);
     gate_.resize(B * std::size_t(config.ffn_dim));
     up_.resize(B * std::size_t(config.ffn_dim));
+    rope_cos_.resize(B * std::size_t(config.head_dim / 2));
+    rope_sin_.resize(B * std::size_t(config.head_dim / 2));
   }
 
   std::int32_t batch() const noexcept { return batch_; }
@@ -75,6 +77,9 @@ class llama_engine {
       throw std::length_error("llama_engine::step: every sequence already holds max_tokens = " +
                               std::to_string(max_tokens_) + " tokens");
     for (std::int32_t s = 0; s < batch_; ++s) weights_.token_embd.dequantize(tokens[s], &x_[s * dim]);
+    const std::size_t pairs = hd / 2;
+    for (std::int32_t s = 0; s < batch_; ++s)
+      rope_angles(positions_[std::size_t(s)], c.head_dim, c.rope_base, &rope_cos_[s * pairs], &rope_sin_[s * pairs]);
 
     for (std::int32_t l = 0; l < c.n_layers; ++l) {
       const llama_layer_weights& w = weights_.layers[std::size_t(l)];
@@ -83,10 +88,10 @@ class llama_engine {
       multiply(w.wk, xn_, k_.data());
       multiply(w.wv, xn_, v_.data());
       for (std::int32_t s = 0; s < batch_; ++s) {
-        const std::int32_t p = positions_[std::size_t(s)];
-        for (std::int32_t h = 0; h < c.n_heads; ++h) rope_adjacent_pairs(&q_[s * dim + h * hd], c.head_dim, p, c.rope_base);
-        for (std::int32_t h = 0; h < c.n_kv_heads; ++h)
-          rope_adjacent_pairs(&k_[s * kv_dim + h * hd], c.head_dim, p, c.rope_base);
+        const float* cos = &rope_cos_[s * pairs];
+        const float* sin = &rope_sin_[s * pairs];
+        for (std::int32_t h = 0; h < c.n_heads; ++h) rope_adjacent_pairs(&q_[s * dim + h * hd], c.head_dim, cos, sin);
+        for (std::int32_t h = 0; h < c.n_kv_heads; ++h) rope_adjacent_pairs(&k_[s * kv_dim + h * hd], c.head_dim, cos, sin);
       }
       attend(l, dim, kv_dim);
       multiply(w.wo, att_, proj_.data());
@@ -150,6 +155,7 @@ class llama_engine {
   std::vector<std::vector<layer_cache>> caches_;  // [layer][group]
   std::vector<std::int32_t> positions_;
   std::vector<float> x_, xn_, q_, k_, v_, att_, proj_, gate_, up_;
+  std::vector<float> rope_cos_, rope_sin_;  // [batch][head_dim / 2], this step's angles
   std::vector<q8_activations> quantized_;
 };
 

@@ -63,17 +63,26 @@ inline void rms_norm(const float* x, const float* weight, float eps, float* out,
   for (std::int64_t i = 0; i < n; ++i) out[i] = x[i] * inv * weight[i];
 }
 
-/// Rotary embedding of one head at `position`, pairs (x[2i], x[2i+1]) rotated
-/// by position * base^(-2i/dim). This is llama.cpp's "normal" RoPE, the one
-/// it applies to LLAMA-architecture GGUF files: the converter permutes the
-/// Q/K weights so that HF's half-split pairs become adjacent.
-inline void rope_adjacent_pairs(float* x, std::int64_t dim, std::int64_t position, float base) noexcept {
+/// Rotary embedding (RoPE) at `position`: pair i of a head turns by
+/// position * base^(-2i/dim). rope_angles computes cos/sin once per position;
+/// every head of every layer then reuses them.
+inline void rope_angles(std::int64_t position, std::int64_t dim, float base, float* cos_out, float* sin_out) noexcept {
   for (std::int64_t i = 0; i < dim / 2; ++i) {
     const double theta = double(position) * std::pow(double(base), -2.0 * double(i) / double(dim));
-    const float c = static_cast<float>(std::cos(theta)), s = static_cast<float>(std::sin(theta));
+    cos_out[i] = static_cast<float>(std::cos(theta));
+    sin_out[i] = static_cast<float>(std::sin(theta));
+  }
+}
+
+/// Rotates the pairs (x[2i], x[2i+1]) of one head. This is llama.cpp's
+/// "normal" RoPE, the one it applies to LLAMA-architecture GGUF files: the
+/// converter permutes the Q/K weights so that HF's half-split pairs become
+/// adjacent.
+inline void rope_adjacent_pairs(float* x, std::int64_t dim, const float* cos, const float* sin) noexcept {
+  for (std::int64_t i = 0; i < dim / 2; ++i) {
     const float x0 = x[2 * i], x1 = x[2 * i + 1];
-    x[2 * i] = x0 * c - x1 * s;
-    x[2 * i + 1] = x0 * s + x1 * c;
+    x[2 * i] = x0 * cos[i] - x1 * sin[i];
+    x[2 * i + 1] = x0 * sin[i] + x1 * cos[i];
   }
 }
 

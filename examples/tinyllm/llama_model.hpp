@@ -20,7 +20,6 @@ struct llama_config {
   std::int32_t n_kv_heads = 0;
   std::int32_t head_dim = 0;
   std::int32_t vocab = 0;
-  std::int32_t context_length = 0;
   float rms_eps = 1e-5f;
   float rope_base = 10000.0f;
 
@@ -35,7 +34,6 @@ struct llama_config {
     c.n_heads = to_i32(f.get_u32(key("attention.head_count")), "llama.attention.head_count");
     c.n_kv_heads = to_i32(f.get_u32_or(key("attention.head_count_kv"), std::uint32_t(c.n_heads)),
                           "llama.attention.head_count_kv");
-    c.context_length = to_i32(f.get_u32_or(key("context_length"), 2048), "llama.context_length");
     c.rms_eps = f.get_f32(key("attention.layer_norm_rms_epsilon"));
     c.rope_base = f.get_f32_or(key("rope.freq_base"), 10000.0f);
     if (c.n_heads <= 0 || c.n_kv_heads <= 0 || c.n_heads % c.n_kv_heads != 0 || c.dim % c.n_heads != 0)
