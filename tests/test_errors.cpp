@@ -101,11 +101,6 @@ std::uint64_t bits_of(float x) {
   std::memcpy(&u, &x, sizeof u);
   return u;
 }
-std::uint64_t bits_of(double x) {
-  std::uint64_t u;
-  std::memcpy(&u, &x, sizeof u);
-  return u;
-}
 std::uint64_t bits_of(std::int32_t x) { return static_cast<std::uint32_t>(x); }
 
 template <class T>
@@ -154,6 +149,9 @@ void add_policy_state(snapshot& st, const Policy& p) {
         st.entries.push_back({"score", b, h, s, bits_of(p.score(b, h, s))});
         if (p.scores_of(b, h)[s] != p.score(b, h, s)) st.entries.push_back({"scores_of mismatch", b, h, s, 1});
       }
+      if constexpr (std::is_same_v<Policy, kv::random_policy>) {
+        if (h == 0) st.entries.push_back({"stream", b, -1, -1, static_cast<std::uint64_t>(p.stream(b))});
+      }
       if constexpr (std::is_same_v<Policy, kv::exact_greedy_policy>) {
         const std::int32_t rows = p.history_length(b, h);
         st.entries.push_back({"history_length", b, h, -1, bits_of(rows)});
@@ -161,8 +159,6 @@ void add_policy_state(snapshot& st, const Policy& p) {
           st.entries.push_back({"history_keys", b, h, i, bits_of(p.history_keys(b, h)[i])});
           st.entries.push_back({"history_values", b, h, i, bits_of(p.history_values(b, h)[i])});
         }
-        for (std::int32_t s = 0; s < sh.capacity; ++s)
-          st.entries.push_back({"eviction_error", b, h, s, bits_of(p.eviction_error(b, h, s))});
       }
     }
   }
@@ -366,10 +362,11 @@ kv::random_config random_cfg(std::int32_t budget, std::int32_t sinks, std::int32
   c.seed = 99;
   return c;
 }
-kv::exact_greedy_config greedy_cfg(std::int32_t budget, std::int32_t recent) {
+kv::exact_greedy_config greedy_cfg(std::int32_t budget, std::int32_t recent, std::int32_t sinks = 0) {
   kv::exact_greedy_config c;
   c.budget = budget;
   c.recent = recent;
+  c.sinks = sinks;
   return c;
 }
 
@@ -1025,6 +1022,16 @@ void check_exact_greedy(fixture<kv::exact_greedy_policy, T, Layout>& fx) {
     kv::decode_queries<T> in = good.input();
     in.scale = kNaN;
     CHECK_REJECTED(snap, kv::invalid_argument, ("'scale'", "= nan"), [&] { policy.prefill(2, 6, in, fx.view()); });
+    if constexpr (is_paged) {
+      // Regression: a page table that repeats a page id was rejected only
+      // after the prompt rows had gone into the history.
+      const std::int32_t saved = page_entry(fx.cache, 2, 1);
+      page_entry(fx.cache, 2, 1) = page_entry(fx.cache, 2, 0);
+      CHECK_REJECTED(snap, kv::invalid_argument, ("'page_table[2]'", "twice"),
+                     [&] { policy.prefill(2, 6, good.input(), fx.view()); });
+      CHECK(policy.history_length(2, 0) == 0);
+      page_entry(fx.cache, 2, 1) = saved;
+    }
   }
 
   CHECK_NOTHROW(observe(good.input()));
@@ -1227,6 +1234,8 @@ TEST_CASE("errors: policy constructors reject bad budgets and shapes") {
                         [&] { kv::random_policy p(good, random_cfg(kBudget, 0, -1)); });
     CHECK_THROWS_NAMING(kv::budget_error, ("'config.recent'", "= -1"),
                         [&] { kv::exact_greedy_policy p(good, greedy_cfg(kBudget, -1)); });
+    CHECK_THROWS_NAMING(kv::budget_error, ("'config.sinks'", "= -1"),
+                        [&] { kv::exact_greedy_policy p(good, greedy_cfg(kBudget, 0, -1)); });
   }
 
   SUBCASE("protected tokens that leave nothing to evict") {
@@ -1234,10 +1243,12 @@ TEST_CASE("errors: policy constructors reject bad budgets and shapes") {
                         [&] { kv::random_policy p(good, random_cfg(kBudget, 3, 2)); });
     CHECK_THROWS_NAMING(kv::budget_error, ("'config.sinks + config.recent'", "= 7"),
                         [&] { kv::random_policy p(good, random_cfg(kBudget, 7, 0)); });
-    CHECK_THROWS_NAMING(kv::budget_error, ("'config.recent'", "= 5", "budget = 5"),
+    CHECK_THROWS_NAMING(kv::budget_error, ("'config.sinks + config.recent'", "= 5", "budget = 5"),
                         [&] { kv::exact_greedy_policy p(good, greedy_cfg(kBudget, kBudget)); });
-    CHECK_THROWS_NAMING(kv::budget_error, ("'config.recent'", "= 6"),
+    CHECK_THROWS_NAMING(kv::budget_error, ("'config.sinks + config.recent'", "= 6"),
                         [&] { kv::exact_greedy_policy p(good, greedy_cfg(kBudget, 6)); });
+    CHECK_THROWS_NAMING(kv::budget_error, ("'config.sinks + config.recent'", "= 5", "budget = 5"),
+                        [&] { kv::exact_greedy_policy p(good, greedy_cfg(kBudget, 2, 3)); });
   }
 
   SUBCASE("shapes") {

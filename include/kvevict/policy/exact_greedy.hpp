@@ -1,18 +1,19 @@
 #pragma once
 // Exact greedy: the oracle that bounds how good a one-token-per-step policy
-// can be (DESIGN §6). Each step it evicts the token whose removal changes the
-// attention output least, measured against attention over the whole history
-// and summed over the query heads of the group; ties as in DESIGN §5 (the
-// older token first). It keeps a float copy of every K/V row it has seen, so
-// it saves no memory: it exists for tests and research, not for serving.
+// can be (docs/policies.md). Each step it evicts the token whose removal
+// changes the attention output least, measured against attention over the
+// whole history and summed over the query heads of the group
+// (leave_one_out.hpp). The error, rounded to float, is the token's score, and
+// the victim is the lowest (score, position) among the unprotected, as for
+// every policy. It keeps a float copy of every K/V row it has seen, so it
+// saves no memory: it exists for tests and research, not for serving.
 #include <algorithm>
 #include <cstdint>
-#include <limits>
-#include <numeric>
 #include <vector>
 
 #include "kvevict/dtype/convert.hpp"
 #include "kvevict/error.hpp"
+#include "kvevict/order.hpp"
 #include "kvevict/policy/leave_one_out.hpp"
 #include "kvevict/policy/policy_base.hpp"
 
@@ -21,6 +22,7 @@ namespace kvevict {
 struct exact_greedy_config {
   std::int32_t budget = 0;
   std::int32_t recent = 0;  ///< newest positions never evicted
+  std::int32_t sinks = 0;   ///< first positions never evicted
 };
 
 class exact_greedy_policy : public policy_base<exact_greedy_policy> {
@@ -30,15 +32,17 @@ class exact_greedy_policy : public policy_base<exact_greedy_policy> {
         config_(config),
         hist_k_(std::size_t(shape.num_seqs) * shape.num_kv_heads),
         hist_v_(hist_k_.size()),
-        errors_(std::size_t(shape.num_seqs) * shape.num_kv_heads * shape.capacity, 0.0),
-        observed_(std::size_t(shape.num_seqs), 0) {}
+        observed_(std::size_t(shape.num_seqs), 0),
+        members_(std::size_t(shape.capacity)),
+        member_slots_(std::size_t(shape.capacity)),
+        errors_(std::size_t(shape.capacity)) {}
 
   const exact_greedy_config& config() const noexcept { return config_; }
 
   /// Reads the newest token's K/V rows from `view` into the history and
-  /// evaluates, for every cached token, the error its eviction would cause
-  /// for the queries in.q (in.lse is not used). Call once per step, after
-  /// append and before evict.
+  /// scores every cached token with the error its eviction would cause for
+  /// the queries in.q (in.lse is not used). Call once per step, after append
+  /// and before evict.
   template <class Q, class T, class Layout>
   void observe(std::int32_t b, const decode_queries<Q>& in, const kv_view<T, Layout>& view) {
     const detail::site w = where("observe");
@@ -64,7 +68,8 @@ class exact_greedy_policy : public policy_base<exact_greedy_policy> {
   }
 
   /// Compresses a prompt of `length` tokens (position p in slot p) by greedy
-  /// removal, judged with the last prompt row's queries, then compacts.
+  /// removal, one token at a time, judged with the last prompt row's
+  /// queries; then compacts.
   template <class Q, class T, class Layout>
   prefill_result prefill(std::int32_t b, std::int32_t length, const decode_queries<Q>& last_row,
                          const kv_view<T, Layout>& view) {
@@ -75,6 +80,7 @@ class exact_greedy_policy : public policy_base<exact_greedy_policy> {
     require_decode_queries(w, last_row, view.head_dim);
     for (std::int32_t h = 0; h < shape_.num_kv_heads; ++h)
       for (std::int32_t p = 0; p < length; ++p) require_finite_row(w, view, b, h, p);
+    require_distinct_pages(w, view, b, length);  // before the history changes: commit_prefill cannot fail after
     head_dim_ = view.head_dim;
     for (std::int32_t h = 0; h < shape_.num_kv_heads; ++h)
       for (std::int32_t p = 0; p < length; ++p) record(view, b, h, p, p);
@@ -86,7 +92,7 @@ class exact_greedy_policy : public policy_base<exact_greedy_policy> {
     return result;
   }
 
-  /// policy_base::evict hook: the errors must be those of this step.
+  /// policy_base::evict hook: the scores must be those of this step.
   void check_evict(const detail::site& w, std::int32_t b) const {
     if (observed_[std::size_t(b)] != slots_.length(b))
       detail::fail_state<state_error>(w, "sequence ", b, " was not observed since its last append");
@@ -111,40 +117,37 @@ class exact_greedy_policy : public policy_base<exact_greedy_policy> {
   const float* history_values(std::int32_t b, std::int32_t h) const noexcept {
     return hist_v_[std::size_t(head_index(b, h))].data();
   }
-  /// The error evicting slot s would cause, from the last observe.
-  double eviction_error(std::int32_t b, std::int32_t h, std::int32_t s) const noexcept {
-    return errors_[std::size_t(head_index(b, h) * shape_.capacity + s)];
-  }
 
+  /// The lowest (score, position) among the unprotected: the scores are the
+  /// errors of the last observe, so this is the greedy choice.
   std::int32_t choose_victim(std::int32_t b, std::int32_t h) const {
-    const std::int32_t* pos = slots_.positions_of(b, h);
-    const double* err = errors_.data() + head_index(b, h) * shape_.capacity;
-    const std::int32_t end = slots_.length(b) - config_.recent;
-    std::int32_t victim = -1;
-    for (std::int32_t s = 0; s < shape_.capacity; ++s) {
-      if (pos[s] < 0 || pos[s] >= end) continue;
-      if (victim < 0 || err[s] < err[victim] || (err[s] == err[victim] && pos[s] < pos[victim])) victim = s;
-    }
-    return victim;
+    const float* score = scores_of(b, h);
+    return min_key_victim(b, h, config_.sinks, config_.recent,
+                          [score](std::int32_t s, std::int32_t p) { return eviction_key(score[s], p); });
   }
 
-  /// Greedy removal over the prompt: one leave-one-out evaluation per token
-  /// removed, until `budget` remain.
+  /// Greedy removal over the prompt: evaluate every remaining token, drop the
+  /// lowest (error, position) among the unprotected, until `budget` remain.
   void select_keep(std::int32_t b, std::int32_t h, std::int32_t length, const float*, std::int32_t* keep) const {
     std::int32_t n = length;
     for (std::int32_t p = 0; p < n; ++p) keep[p] = p;
     if (length <= budget_) return;
-    const std::int32_t g = shape_.group_size();
-    targets(b, h, length, g);
-    std::vector<double>& err = err_buf_;
+    prepare(length);
+    std::fill_n(cached_.begin(), length, static_cast<unsigned char>(1));
     while (n > budget_) {
-      std::fill_n(err.begin(), n, 0.0);
-      for (std::int32_t j = 0; j < g; ++j)
-        add_leave_one_out_errors(query(h * g + j), history_keys(b, h), history_values(b, h), head_dim_, scale_, keep,
-                                 n, target_.data() + std::size_t(j) * head_dim_, err.data(), work_.data());
+      group_errors(b, h, length, keep, n);
       std::int32_t victim = -1;
-      for (std::int32_t i = 0; i < n && keep[i] < length - config_.recent; ++i)
-        if (victim < 0 || err[i] < err[victim]) victim = i;  // ascending positions: strict < keeps the older
+      std::uint64_t best = 0;
+      for (std::int32_t i = 0; i < n; ++i) {
+        const std::int32_t p = keep[i];
+        if (p < config_.sinks || p >= length - config_.recent) continue;
+        const std::uint64_t key = eviction_key(static_cast<float>(errors_[std::size_t(i)]), p);
+        if (victim < 0 || key < best) {
+          best = key;
+          victim = i;
+        }
+      }
+      cached_[std::size_t(keep[victim])] = 0;
       std::copy(keep + victim + 1, keep + n, keep + victim);
       --n;
     }
@@ -154,9 +157,10 @@ class exact_greedy_policy : public policy_base<exact_greedy_policy> {
   static const exact_greedy_config& checked(const exact_greedy_config& c) {
     const detail::site w{"exact_greedy_policy", "constructor"};
     if (c.recent < 0) detail::fail<budget_error>(w, "config.recent", "= ", c.recent, " is negative");
-    if (c.recent >= c.budget)
-      detail::fail<budget_error>(w, "config.recent", "= ", c.recent, " leaves no evictable token within budget = ",
-                                 c.budget);
+    if (c.sinks < 0) detail::fail<budget_error>(w, "config.sinks", "= ", c.sinks, " is negative");
+    if (std::int64_t{c.sinks} + c.recent >= c.budget)
+      detail::fail<budget_error>(w, "config.sinks + config.recent", "= ", std::int64_t{c.sinks} + c.recent,
+                                 " leaves no evictable token within budget = ", c.budget);
     return c;
   }
 
@@ -199,56 +203,50 @@ class exact_greedy_policy : public policy_base<exact_greedy_policy> {
       for (std::int32_t d = 0; d < head_dim_; ++d) queries_[std::size_t(i) * head_dim_ + d] = to_float(q(i, d));
   }
 
-  const float* query(std::int32_t q) const noexcept { return queries_.data() + std::size_t(q) * head_dim_; }
-
-  /// Full-history attention output of each query head of group h, and
-  /// scratch sized for `members` rows.
-  void targets(std::int32_t b, std::int32_t h, std::int32_t members, std::int32_t g) const {
-    const std::int32_t rows = history_length(b, h);
-    all_rows_.resize(std::size_t(rows));
-    std::iota(all_rows_.begin(), all_rows_.end(), 0);
-    work_.resize(leave_one_out_work_size(std::max(rows, members), head_dim_));
-    err_buf_.resize(std::size_t(std::max(members, shape_.capacity)));
-    target_.resize(std::size_t(g) * head_dim_);
-    for (std::int32_t j = 0; j < g; ++j)
-      attention_output(query(h * g + j), history_keys(b, h), history_values(b, h), head_dim_, scale_,
-                       all_rows_.data(), rows, target_.data() + std::size_t(j) * head_dim_, work_.data());
+  /// Scratch for a history of `rows` rows (the oracle allocates as it grows).
+  void prepare(std::int32_t rows) const {
+    cached_.assign(std::size_t(rows), 0);
+    work_.resize(leave_one_out_work_size(rows, head_dim_));
   }
 
-  /// Leave-one-out errors of every occupied slot of (b, h).
+  /// errors_[i] = E(members[i]) summed over the query heads of KV head h, in
+  /// ascending query-head order; cached_ marks the members.
+  void group_errors(std::int32_t b, std::int32_t h, std::int32_t rows, const std::int32_t* members,
+                    std::int32_t n) const {
+    const std::int32_t g = shape_.group_size();
+    std::fill_n(errors_.begin(), n, 0.0);
+    for (std::int32_t j = 0; j < g; ++j)
+      leave_one_out_errors(queries_.data() + std::size_t(h * g + j) * head_dim_, history_keys(b, h),
+                           history_values(b, h), head_dim_, scale_, rows, cached_.data(), members, n, errors_.data(),
+                           work_.data());
+  }
+
+  /// Scores every cached slot of (b, h) with its eviction error.
   void evaluate(std::int32_t b, std::int32_t h) {
+    const std::int32_t rows = history_length(b, h);
+    prepare(rows);
     const std::int32_t* pos = slots_.positions_of(b, h);
     std::int32_t n = 0;
     for (std::int32_t s = 0; s < shape_.capacity; ++s)
       if (pos[s] >= 0) {
-        order_[std::size_t(n)] = s;
-        member_pos_[std::size_t(n)] = pos[s];
+        members_[std::size_t(n)] = pos[s];
+        member_slots_[std::size_t(n)] = s;
+        cached_[std::size_t(pos[s])] = 1;
         ++n;
       }
-    const std::int32_t g = shape_.group_size();
-    targets(b, h, n, g);
-    std::fill_n(err_buf_.begin(), n, 0.0);
-    for (std::int32_t j = 0; j < g; ++j)
-      add_leave_one_out_errors(query(h * g + j), history_keys(b, h), history_values(b, h), head_dim_, scale_,
-                               member_pos_.data(), n, target_.data() + std::size_t(j) * head_dim_, err_buf_.data(),
-                               work_.data());
-    double* err = errors_.data() + head_index(b, h) * shape_.capacity;
+    group_errors(b, h, rows, members_.data(), n);
     float* score = mutable_scores(b, h);
-    std::fill_n(err, shape_.capacity, 0.0);
-    for (std::int32_t i = 0; i < n; ++i) {
-      err[order_[std::size_t(i)]] = err_buf_[std::size_t(i)];
-      score[order_[std::size_t(i)]] = static_cast<float>(err_buf_[std::size_t(i)]);
-    }
+    for (std::int32_t i = 0; i < n; ++i)
+      score[member_slots_[std::size_t(i)]] = static_cast<float>(errors_[std::size_t(i)]);
   }
 
   exact_greedy_config config_;
   std::vector<std::vector<float>> hist_k_, hist_v_;  // [B * Hkv][position][head_dim]
-  std::vector<double> errors_;                       // [B][Hkv][capacity]
   std::vector<std::int32_t> observed_;               // length at the last observe, per sequence
   std::vector<float> queries_;                       // [Hq][head_dim]
-  std::vector<std::int32_t> member_pos_ = std::vector<std::int32_t>(std::size_t(shape_.capacity));
-  mutable std::vector<std::int32_t> all_rows_;
-  mutable std::vector<double> work_, target_, err_buf_;
+  std::vector<std::int32_t> members_, member_slots_;  // cached positions of one (b, h) and their slots
+  mutable std::vector<double> errors_, work_;         // [capacity] errors, leave-one-out scratch
+  mutable std::vector<unsigned char> cached_;         // [history rows] 1 for the cached positions
   std::int32_t head_dim_ = 0;
   float scale_ = 1.0f;
 };
