@@ -342,14 +342,14 @@ TEST_CASE("philox: library matches an independent transcription on random inputs
 
 TEST_CASE("random_draw: a pure function whose every argument matters") {
   using kvevict::random_draw;
-  using kvevict::random_stream;
+  using kvevict::random_use;
   std::mt19937 g(31337u);
   int impure = 0, same_seed_lo = 0, same_seed_hi = 0, same_stream = 0, same_seq = 0, same_head = 0, same_index = 0;
   for (int i = 0; i < 5000; ++i) {
     const u64 seed = (u64{draw32(g)} << 32) | draw32(g);
-    const random_stream st = (draw32(g) & 1u) ? random_stream::prefill_priority : random_stream::decode_victim;
-    const random_stream other_st =
-        st == random_stream::decode_victim ? random_stream::prefill_priority : random_stream::decode_victim;
+    const random_use st = (draw32(g) & 1u) ? random_use::prefill_priority : random_use::decode_victim;
+    const random_use other_st =
+        st == random_use::decode_victim ? random_use::prefill_priority : random_use::decode_victim;
     const i32 b = static_cast<i32>(draw32(g) % 64u);
     const i32 h = static_cast<i32>(draw32(g) % 64u);
     const i32 idx = static_cast<i32>(draw32(g) & 0x7FFFFFFFu);
@@ -378,7 +378,7 @@ TEST_CASE("random_draw: a pure function whose every argument matters") {
   std::set<u32> seen;
   int count = 0;
   for (u64 seed : {u64{1}, u64{0x100000000ull}})
-    for (random_stream st : {random_stream::decode_victim, random_stream::prefill_priority})
+    for (random_use st : {random_use::decode_victim, random_use::prefill_priority})
       for (i32 b = 0; b < 4; ++b)
         for (i32 h = 0; h < 8; ++h)
           for (i32 idx = 0; idx < 64; ++idx) {
@@ -391,7 +391,7 @@ TEST_CASE("random_draw: a pure function whose every argument matters") {
   std::array<int, 32> ones{};
   constexpr int kDraws = 50000;
   for (i32 idx = 0; idx < kDraws; ++idx) {
-    const u32 d = random_draw(12345u, random_stream::decode_victim, idx % 3, idx % 5, idx);
+    const u32 d = random_draw(12345u, random_use::decode_victim, idx % 3, idx % 5, idx);
     for (int bit = 0; bit < 32; ++bit) ones[static_cast<std::size_t>(bit)] += static_cast<int>((d >> bit) & 1u);
   }
   for (int bit = 0; bit < 32; ++bit) {
@@ -448,7 +448,7 @@ TEST_CASE("uniform_index: range, exact boundaries and uniformity") {
   constexpr int kDraws = 100000;
   std::array<int, kN> counts{};
   for (i32 i = 0; i < kDraws; ++i) {
-    const u32 d = kvevict::random_draw(0xC0FFEEu, kvevict::random_stream::decode_victim, i % 4, (i / 4) % 8, i);
+    const u32 d = kvevict::random_draw(0xC0FFEEu, kvevict::random_use::decode_victim, i % 4, (i / 4) % 8, i);
     const u32 k = uniform_index(d, kN);
     if (k >= kN) {
       FAIL_CHECK("uniform_index out of range: " << k);

@@ -153,15 +153,15 @@ struct random_case {
     for (const auto& [p, tok] : head)
       (p < config.sinks || p >= len - config.recent ? keep : middle).push_back(p);
     if (decoding) {
-      const std::uint32_t k = uniform_index(random_draw(config.seed, random_stream::decode_victim, b, h, len - 1),
+      const std::uint32_t k = uniform_index(random_draw(config.seed, random_use::decode_victim, b, h, len - 1),
                                             static_cast<std::uint32_t>(middle.size()));
       middle.erase(middle.begin() + k);
       keep.insert(keep.end(), middle.begin(), middle.end());
       return keep;
     }
     std::sort(middle.begin(), middle.end(), [&](std::int32_t x, std::int32_t y) {
-      const std::uint32_t dx = random_draw(config.seed, random_stream::prefill_priority, b, h, x);
-      const std::uint32_t dy = random_draw(config.seed, random_stream::prefill_priority, b, h, y);
+      const std::uint32_t dx = random_draw(config.seed, random_use::prefill_priority, b, h, x);
+      const std::uint32_t dy = random_draw(config.seed, random_use::prefill_priority, b, h, y);
       return dx != dy ? dx > dy : x > y;
     });
     middle.resize(std::size_t(budget()) - keep.size());

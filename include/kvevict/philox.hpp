@@ -49,18 +49,24 @@ KVEVICT_HOST_DEVICE inline philox4x32_counter philox4x32_10(philox4x32_counter c
   return ctr;
 }
 
-/// Streams of the random policy; part of the counter so draws never collide.
-enum class random_stream : std::uint32_t { decode_victim = 0, prefill_priority = 1 };
+/// What a draw of the random policy is for; part of the counter so that
+/// decode and prefill draws never collide.
+enum class random_use : std::uint32_t { decode_victim = 0, prefill_priority = 1 };
 
-/// The 32-bit draw of the random policy for (seed, sequence, head, index):
-/// `index` is the position of the newest token for a decode eviction, or the
-/// candidate's position for prefill selection.
-KVEVICT_HOST_DEVICE inline std::uint32_t random_draw(std::uint64_t seed, random_stream stream,
-                                                     std::int32_t sequence, std::int32_t head,
-                                                     std::int32_t index) noexcept {
+/// Largest request stream id: the counter has 63 bits for it.
+inline constexpr std::uint64_t max_random_stream = (std::uint64_t{1} << 63) - 1;
+
+/// The 32-bit draw of the random policy under `seed` for request stream
+/// `stream` (at most max_random_stream; by default the sequence index), KV
+/// head `head` and `index`: the position of the newest token for a decode
+/// eviction, or the candidate's position for prefill selection. Counter:
+/// {index, stream bits 0-31, head, use | stream bits 32-62 << 1}; key: seed.
+KVEVICT_HOST_DEVICE inline std::uint32_t random_draw(std::uint64_t seed, random_use use, std::uint64_t stream,
+                                                     std::int32_t head, std::int32_t index) noexcept {
   const philox4x32_key key{{static_cast<std::uint32_t>(seed), static_cast<std::uint32_t>(seed >> 32)}};
-  const philox4x32_counter ctr{{static_cast<std::uint32_t>(index), static_cast<std::uint32_t>(sequence),
-                                static_cast<std::uint32_t>(head), static_cast<std::uint32_t>(stream)}};
+  const philox4x32_counter ctr{{static_cast<std::uint32_t>(index), static_cast<std::uint32_t>(stream),
+                                static_cast<std::uint32_t>(head),
+                                static_cast<std::uint32_t>(use) | static_cast<std::uint32_t>(stream >> 32) << 1}};
   return philox4x32_10(ctr, key).v[0];
 }
 

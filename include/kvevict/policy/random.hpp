@@ -1,10 +1,13 @@
 #pragma once
 // Random eviction: a baseline that any score-based policy must beat. The
 // victim is uniform among the unprotected tokens, drawn from Philox4x32-10
-// keyed by (seed, sequence, head, position of the newest token), so the host
-// and CUDA backends, and any batch schedule, draw the same victims.
+// keyed by (seed, request stream, head, position of the newest token), so the
+// host and CUDA backends, and any batch schedule, draw the same victims. Each
+// request on a sequence index can have a stream of its own (reset(b, stream));
+// by default the stream is the sequence index.
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #include "kvevict/error.hpp"
 #include "kvevict/philox.hpp"
@@ -22,9 +25,36 @@ struct random_config {
 class random_policy : public policy_base<random_policy> {
  public:
   random_policy(const policy_shape& shape, const random_config& config)
-      : policy_base("random_policy", shape, checked(config).budget, group_reduce::sum), config_(config) {}
+      : policy_base("random_policy", shape, checked(config).budget, group_reduce::sum),
+        config_(config),
+        streams_(std::size_t(shape.num_seqs)) {
+    for (std::int32_t b = 0; b < shape.num_seqs; ++b) streams_[std::size_t(b)] = std::uint64_t(b);
+  }
 
   const random_config& config() const noexcept { return config_; }
+
+  /// The stream that keys sequence b's draws.
+  std::uint64_t stream(std::int32_t b) const {
+    detail::require_index(where("stream"), "sequence", b, shape_.num_seqs);
+    return streams_[std::size_t(b)];
+  }
+
+  using policy_base::reset;
+  /// Forgets sequence b and starts a new request there whose draws are keyed
+  /// by `stream` (at most max_random_stream): two requests with different
+  /// streams draw independently, equal streams replay the same draws.
+  /// reset(b) restores the default stream b.
+  void reset(std::int32_t b, std::uint64_t stream) {
+    const detail::site w = where("reset");
+    detail::require_index(w, "sequence", b, shape_.num_seqs);
+    if (stream > max_random_stream)
+      detail::fail<out_of_range>(w, "stream", "= ", stream, " exceeds max_random_stream = 2^63 - 1");
+    policy_base::reset(b);
+    streams_[std::size_t(b)] = stream;
+  }
+
+  /// policy_base::reset hook.
+  void on_reset(std::int32_t b) noexcept { streams_[std::size_t(b)] = std::uint64_t(b); }
 
   /// The k-th unprotected token in position order, k uniform in [0, n).
   std::int32_t choose_victim(std::int32_t b, std::int32_t h) const {
@@ -35,7 +65,8 @@ class random_policy : public policy_base<random_policy> {
     for (std::int32_t s = 0; s < shape_.capacity; ++s)
       if (pos[s] >= config_.sinks && pos[s] < end) cand[n++] = s;
     if (n == 0) return -1;
-    const std::uint32_t draw = random_draw(config_.seed, random_stream::decode_victim, b, h, slots_.length(b) - 1);
+    const std::uint32_t draw = random_draw(config_.seed, random_use::decode_victim, streams_[std::size_t(b)], h,
+                                             slots_.length(b) - 1);
     const std::int32_t k = static_cast<std::int32_t>(uniform_index(draw, static_cast<std::uint32_t>(n)));
     std::nth_element(cand, cand + k, cand + n, [pos](std::int32_t x, std::int32_t y) { return pos[x] < pos[y]; });
     return cand[k];
@@ -47,7 +78,7 @@ class random_policy : public policy_base<random_policy> {
     keep_top_keys(
         length, config_.sinks, config_.recent,
         [&](std::int32_t p) {
-          const std::uint32_t draw = random_draw(config_.seed, random_stream::prefill_priority, b, h, p);
+          const std::uint32_t draw = random_draw(config_.seed, random_use::prefill_priority, streams_[std::size_t(b)], h, p);
           return (static_cast<std::uint64_t>(draw) << 32) | static_cast<std::uint32_t>(p);
         },
         keep);
@@ -72,6 +103,7 @@ class random_policy : public policy_base<random_policy> {
   }
 
   random_config config_;
+  std::vector<std::uint64_t> streams_;  // [num_seqs]
 };
 
 }  // namespace kvevict
