@@ -37,7 +37,8 @@ struct options {
   std::string model, text, out, json;
   std::int32_t window = 1024, windows = 4, offset = 0, positions = 1024;
   std::vector<int> budgets = {10, 20, 50};  // percent of the window
-  std::vector<std::string> policies = {"full", "h2o", "recent_window", "recent_only", "random", "exact_greedy"};
+  std::vector<std::string> policies = {"full",   "h2o",          "recent_window",   "recent_only",
+                                       "random", "random_protected", "exact_greedy", "exact_greedy_protected"};
   std::uint64_t seed = 1;
   bool lse_check = false;
   numerics arithmetic;  // plain float
@@ -46,7 +47,8 @@ struct options {
 constexpr std::int32_t recent_window_sinks = 4;
 
 bool known_policy(const std::string& p) {
-  for (const char* name : {"full", "h2o", "recent_window", "recent_only", "random", "exact_greedy"})
+  for (const char* name : {"full", "h2o", "recent_window", "recent_only", "random", "random_protected", "exact_greedy",
+                           "exact_greedy_protected"})
     if (p == name) return true;
   return false;
 }
@@ -56,7 +58,9 @@ bool known_policy(const std::string& p) {
                "error: %s\n"
                "usage: kvevict_fidelity [eval|tokenize|score] --model FILE.gguf --text FILE.txt\n"
                "  eval:     [--window 1024] [--windows 4] [--offset 0] [--budgets 10,20,50]\n"
-               "            [--policies full,h2o,recent_window,recent_only,random,exact_greedy]\n"
+               "            [--policies full,h2o,recent_window,recent_only,random,random_protected,\n"
+               "                        exact_greedy,exact_greedy_protected]\n"
+               "            (*_protected: 4 sinks and h2o's recent half never evicted)\n"
                "            [--seed 1] [--lse-check] [--json FILE]\n"
                "  all:      [--numerics float|llama_cpp]  (default float; llama_cpp rounds as llama.cpp's CPU backend)\n"
                "  tokenize: --out FILE\n"
@@ -129,10 +133,18 @@ options parse(int argc, char** argv) {
     if (!known_policy(p)) usage("unknown policy " + p);
   const bool has_h2o = std::find(o.policies.begin(), o.policies.end(), "h2o") != o.policies.end();
   if (o.lse_check && !has_h2o) usage("--lse-check compares with h2o, which --policies leaves out");
-  for (int pct : o.budgets)
-    if (std::int64_t{o.window} * pct / 100 <= recent_window_sinks)
+  bool has_protected = false;
+  for (const std::string& p : o.policies) has_protected = has_protected || p.find("_protected") != std::string::npos;
+  for (int pct : o.budgets) {
+    const std::int64_t budget = std::int64_t{o.window} * pct / 100;
+    if (budget <= recent_window_sinks)
       usage("a " + std::to_string(pct) + "% budget of a " + std::to_string(o.window) + "-token window leaves no room " +
             "beyond recent_window's " + std::to_string(recent_window_sinks) + " sinks");
+    if (has_protected && budget - budget / 2 <= recent_window_sinks)
+      usage("a " + std::to_string(pct) + "% budget of a " + std::to_string(o.window) + "-token window leaves the " +
+            "*_protected policies nothing to evict beyond " + std::to_string(recent_window_sinks) +
+            " sinks and h2o's recent half");
+  }
   return o;
 }
 
@@ -174,17 +186,25 @@ std::vector<variant> make_variants(const options& o) {
   out.push_back({"full", 100, {policy_kind::full, o.window, 0, 0}});  // always: the reference of every metric
   for (int pct : o.budgets) {
     const std::int32_t budget = static_cast<std::int32_t>(std::int64_t{o.window} * pct / 100);
-    const auto add = [&](const std::string& name, policy_kind kind, std::int32_t sinks, score_source source) {
+    const auto add = [&](const std::string& name, policy_kind kind, std::int32_t sinks, score_source source,
+                         std::int32_t recent = 0) {
       policy_spec s{kind, budget, sinks, o.seed};
       s.source = source;
+      s.recent = recent;
       out.push_back({name, pct, s});
     };
+    // h2o's protection: its recent half, plus the sinks that recent_window keeps.
+    const std::int32_t h2o_recent = budget / 2;
     for (const std::string& p : o.policies) {  // names were checked by parse
       if (p == "h2o") add(p, policy_kind::h2o, 0, score_source::probs);
       if (p == "recent_window") add(p, policy_kind::recent_window, recent_window_sinks, score_source::probs);
       if (p == "recent_only") add(p, policy_kind::recent_window, 0, score_source::probs);
       if (p == "random") add(p, policy_kind::random, 0, score_source::probs);
+      if (p == "random_protected")
+        add(p, policy_kind::random, recent_window_sinks, score_source::probs, h2o_recent);
       if (p == "exact_greedy") add(p, policy_kind::exact_greedy, 0, score_source::probs);
+      if (p == "exact_greedy_protected")
+        add(p, policy_kind::exact_greedy, recent_window_sinks, score_source::probs, h2o_recent);
     }
     if (o.lse_check) add("h2o_lse", policy_kind::h2o, 0, score_source::lse);
   }

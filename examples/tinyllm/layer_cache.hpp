@@ -30,8 +30,9 @@ enum class score_source { probs, lse };
 struct policy_spec {
   policy_kind kind = policy_kind::full;
   std::int32_t budget = 0;  ///< tokens kept between steps
-  std::int32_t sinks = 0;   ///< recent_window: first positions always kept
+  std::int32_t sinks = 0;   ///< recent_window, random, exact_greedy: first positions always kept
   std::uint64_t seed = 0;   ///< random
+  std::int32_t recent = 0;  ///< random, exact_greedy: newest positions always kept
   score_source source = score_source::probs;
 };
 
@@ -82,9 +83,14 @@ class layer_cache {
       case policy_kind::recent_window:
         return kvevict::recent_window_policy(shape, {spec.sinks, spec.budget - spec.sinks});
       case policy_kind::random:
-        return kvevict::random_policy(shape, {spec.budget, 0, 0, spec.seed});
-      case policy_kind::exact_greedy:
-        return kvevict::exact_greedy_policy(shape, {spec.budget, 0});
+        return kvevict::random_policy(shape, {spec.budget, spec.sinks, spec.recent, spec.seed});
+      case policy_kind::exact_greedy: {
+        kvevict::exact_greedy_config c;
+        c.budget = spec.budget;
+        c.recent = spec.recent;
+        c.sinks = spec.sinks;
+        return kvevict::exact_greedy_policy(shape, c);
+      }
     }
     throw kvevict::invalid_argument("layer_cache: unknown policy kind");
   }
