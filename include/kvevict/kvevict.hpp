@@ -1,11 +1,16 @@
 #pragma once
 // Everything kvevict offers on the host. Include single headers instead to
 // keep compile times down; each one compiles on its own.
+#include "kvevict/batch/inputs.hpp"
+#include "kvevict/batch/state.hpp"
+#include "kvevict/batch/status.hpp"
 #include "kvevict/compaction.hpp"
 #include "kvevict/config.hpp"
 #include "kvevict/dtype/bfloat16.hpp"
 #include "kvevict/dtype/convert.hpp"
 #include "kvevict/dtype/half.hpp"
+#include "kvevict/detail/reproducible_math.hpp"
+#include "kvevict/device.hpp"
 #include "kvevict/error.hpp"
 #include "kvevict/kv_cache.hpp"
 #include "kvevict/kv_view.hpp"
@@ -13,6 +18,7 @@
 #include "kvevict/order.hpp"
 #include "kvevict/philox.hpp"
 #include "kvevict/policy/budget.hpp"
+#include "kvevict/policy/decode_rules.hpp"
 #include "kvevict/policy/exact_greedy.hpp"
 #include "kvevict/policy/h2o.hpp"
 #include "kvevict/policy/leave_one_out.hpp"

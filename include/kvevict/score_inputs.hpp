@@ -1,7 +1,8 @@
 #pragma once
-// What an engine can hand a policy to update its scores (DESIGN §4). Each is a
-// small tagged struct of views, so one `observe` / `prefill` overload per
-// source keeps call sites explicit about what they pass.
+// What an engine can hand a policy to update its scores (docs/semantics.md,
+// "Scores"). Each is a small tagged struct of views, so one `observe` /
+// `prefill` overload per source keeps call sites explicit about what they
+// pass.
 //
 // Query heads map to KV heads in groups: query head q belongs to KV head
 // q / (num_q_heads / num_kv_heads), as in every GQA implementation.
@@ -29,6 +30,17 @@ struct decode_probs {
 /// [num_kv_heads][>= highest occupied slot + 1].
 struct head_scores {
   tensor_view<const float, 2> scores;
+};
+
+/// Decode step, fused attention that also writes its logits (one float per
+/// slot, the cheapest input after probabilities): prob = exp(logits(q, s) *
+/// scale - lse(q)), no K re-read. logits: [num_q_heads][>= highest occupied
+/// slot + 1], lse: [num_q_heads]. Columns of free slots are ignored.
+struct decode_logits {
+  tensor_view<const float, 2> logits;
+  tensor_view<const float, 1> lse;
+  float scale = 1.0f;
+  lse_base base = lse_base::natural;
 };
 
 /// Decode step, fused attention: the query rows and the LSE the kernel

@@ -12,7 +12,6 @@
 // reduction and a degree-13 Taylor polynomial in double, within 1.5 ulp.
 #include <cstdint>
 #include <cstring>
-#include <limits>
 
 #include "kvevict/config.hpp"
 
@@ -94,6 +93,10 @@ KVEVICT_HOST_DEVICE inline double bits_to_double(std::uint64_t bits) noexcept {
   return x;
 }
 
+/// +inf without <limits>, which device code cannot call without
+/// --expt-relaxed-constexpr.
+KVEVICT_HOST_DEVICE inline double infinity() noexcept { return bits_to_double(0x7FF0000000000000ull); }
+
 /// 2^k for k in [-1022, 1023], built from its bits.
 KVEVICT_HOST_DEVICE inline double pow2(std::int32_t k) noexcept {
   return bits_to_double(static_cast<std::uint64_t>(k + 1023) << 52);
@@ -109,7 +112,7 @@ KVEVICT_HOST_DEVICE KVEVICT_REPRODUCIBLE inline double reproducible_exp(double x
   using detail::mul;
   using detail::sub;
   if (x != x) return x;
-  if (x > 709.782712893384) return std::numeric_limits<double>::infinity();
+  if (x > 709.782712893384) return detail::infinity();
   if (x < -745.2) return 0.0;
   // x = k ln2 + r with |r| <= ln2 / 2 (up to rounding). kLn2Hi has 32
   // significant bits, so k * kLn2Hi is exact for |k| < 2^20.

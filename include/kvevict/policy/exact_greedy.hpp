@@ -25,10 +25,36 @@ struct exact_greedy_config {
   std::int32_t sinks = 0;   ///< first positions never evicted
 };
 
+class exact_greedy_policy;
+
+template <>
+struct policy_traits<exact_greedy_policy> {
+  using config_type = exact_greedy_config;
+  static constexpr const char* name = "exact_greedy_policy";
+  static constexpr bool has_streams = false;
+  static constexpr bool has_history = true;
+
+  /// Validates `c` and returns the rule: the lowest (error, position) among
+  /// the unprotected, the error being the score an observe wrote.
+  static decode_rule rule(const exact_greedy_config& c, const char* function = "constructor") {
+    const detail::site w{name, function};
+    if (c.recent < 0) detail::fail<budget_error>(w, "config.recent", "= ", c.recent, " is negative");
+    if (c.sinks < 0) detail::fail<budget_error>(w, "config.sinks", "= ", c.sinks, " is negative");
+    if (std::int64_t{c.sinks} + c.recent >= c.budget)
+      detail::fail<budget_error>(w, "config.sinks + config.recent", "= ", std::int64_t{c.sinks} + c.recent,
+                                 " leaves no evictable token within budget = ", c.budget);
+    decode_rule r;
+    r.victim = victim_rule::lowest_score;
+    r.protect = {c.sinks, c.recent};
+    r.budget = c.budget;
+    return r;
+  }
+};
+
 class exact_greedy_policy : public policy_base<exact_greedy_policy> {
  public:
   exact_greedy_policy(const policy_shape& shape, const exact_greedy_config& config)
-      : policy_base("exact_greedy_policy", shape, checked(config).budget, group_reduce::sum),
+      : policy_base("exact_greedy_policy", shape, policy_traits<exact_greedy_policy>::rule(config)),
         config_(config),
         hist_k_(std::size_t(shape.num_seqs) * shape.num_kv_heads),
         hist_v_(hist_k_.size()),
@@ -118,23 +144,15 @@ class exact_greedy_policy : public policy_base<exact_greedy_policy> {
     return hist_v_[std::size_t(head_index(b, h))].data();
   }
 
-  /// The lowest (score, position) among the unprotected: the scores are the
-  /// errors of the last observe, so this is the greedy choice.
-  std::int32_t choose_victim(std::int32_t b, std::int32_t h) const {
-    const float* score = scores_of(b, h);
-    return min_key_victim(b, h, config_.sinks, config_.recent,
-                          [score](std::int32_t s, std::int32_t p) { return eviction_key(score[s], p); });
-  }
-
   /// Greedy removal over the prompt: evaluate every remaining token, drop the
   /// lowest (error, position) among the unprotected, until `budget` remain.
   void select_keep(std::int32_t b, std::int32_t h, std::int32_t length, const float*, std::int32_t* keep) const {
     std::int32_t n = length;
     for (std::int32_t p = 0; p < n; ++p) keep[p] = p;
-    if (length <= budget_) return;
+    if (length <= rule_.budget) return;
     prepare(length);
     std::fill_n(cached_.begin(), length, static_cast<unsigned char>(1));
-    while (n > budget_) {
+    while (n > rule_.budget) {
       group_errors(b, h, length, keep, n);
       std::int32_t victim = -1;
       std::uint64_t best = 0;
@@ -154,16 +172,6 @@ class exact_greedy_policy : public policy_base<exact_greedy_policy> {
   }
 
  private:
-  static const exact_greedy_config& checked(const exact_greedy_config& c) {
-    const detail::site w{"exact_greedy_policy", "constructor"};
-    if (c.recent < 0) detail::fail<budget_error>(w, "config.recent", "= ", c.recent, " is negative");
-    if (c.sinks < 0) detail::fail<budget_error>(w, "config.sinks", "= ", c.sinks, " is negative");
-    if (std::int64_t{c.sinks} + c.recent >= c.budget)
-      detail::fail<budget_error>(w, "config.sinks + config.recent", "= ", std::int64_t{c.sinks} + c.recent,
-                                 " leaves no evictable token within budget = ", c.budget);
-    return c;
-  }
-
   void require_head_dim(const detail::site& w, std::int32_t head_dim) const {
     if (head_dim_ != 0 && head_dim != head_dim_)
       detail::fail<invalid_argument>(w, "view.head_dim", "= ", head_dim, ", the history has ", head_dim_);

@@ -23,31 +23,43 @@ struct h2o_config {
   std::int64_t budget() const noexcept { return std::int64_t{heavy} + recent; }
 };
 
+class h2o_policy;
+
+template <>
+struct policy_traits<h2o_policy> {
+  using config_type = h2o_config;
+  static constexpr const char* name = "h2o_policy";
+  static constexpr bool has_streams = false;
+  static constexpr bool has_history = false;
+
+  /// Validates `c` and returns h2o's decode rule: the lowest (score,
+  /// position) outside the `recent` newest.
+  static decode_rule rule(const h2o_config& c, const char* function = "constructor") {
+    const detail::site w{name, function};
+    if (c.heavy < 0) detail::fail<budget_error>(w, "config.heavy", "= ", c.heavy, " is negative");
+    if (c.recent < 0) detail::fail<budget_error>(w, "config.recent", "= ", c.recent, " is negative");
+    detail::require_group_reduce(w, "config.reduce", c.reduce);
+    decode_rule r;
+    r.victim = victim_rule::lowest_score;
+    r.protect = {0, c.recent};
+    r.budget = detail::budget_sum(w, "config.heavy + config.recent", c.heavy, c.recent);
+    r.reduce = c.reduce;
+    return r;
+  }
+};
+
 class h2o_policy : public policy_base<h2o_policy> {
  public:
   h2o_policy(const policy_shape& shape, const h2o_config& config)
-      : policy_base("h2o_policy", shape, checked_budget(config), config.reduce), config_(config) {}
+      : policy_base("h2o_policy", shape, policy_traits<h2o_policy>::rule(config)), config_(config) {}
 
   const h2o_config& config() const noexcept { return config_; }
-
-  std::int32_t choose_victim(std::int32_t b, std::int32_t h) const {
-    const float* score = scores_of(b, h);
-    return min_key_victim(b, h, 0, config_.recent,
-                          [score](std::int32_t s, std::int32_t p) { return eviction_key(score[s], p); });
-  }
 
   void select_keep(std::int32_t, std::int32_t, std::int32_t length, const float* score, std::int32_t* keep) const {
     keep_top_keys(length, 0, config_.recent, [score](std::int32_t p) { return eviction_key(score[p], p); }, keep);
   }
 
  private:
-  static std::int32_t checked_budget(const h2o_config& c) {
-    const detail::site w{"h2o_policy", "constructor"};
-    if (c.heavy < 0) detail::fail<budget_error>(w, "config.heavy", "= ", c.heavy, " is negative");
-    if (c.recent < 0) detail::fail<budget_error>(w, "config.recent", "= ", c.recent, " is negative");
-    return detail::budget_sum(w, "config.heavy + config.recent", c.heavy, c.recent);
-  }
-
   h2o_config config_;
 };
 

@@ -25,7 +25,6 @@
 // the CUDA kernel evaluates the same expressions in the same order and gets
 // the same bits as the host.
 #include <cstdint>
-#include <limits>
 
 #include "kvevict/config.hpp"
 #include "kvevict/detail/reproducible_math.hpp"
@@ -53,10 +52,10 @@ KVEVICT_HOST_DEVICE KVEVICT_REPRODUCIBLE inline double history_logit(const float
 /// (sums of exp(logit - max) * value, head_dim doubles each) live with the
 /// caller: num_cached, num_rest, num_evicted.
 struct leave_one_out_frames {
-  double top_logit = -std::numeric_limits<double>::infinity();   ///< max over G
-  std::int32_t top = -1;                                         ///< its smallest position
-  double rest_logit = -std::numeric_limits<double>::infinity();  ///< max over G without `top`
-  double evicted_logit = -std::numeric_limits<double>::infinity();  ///< max over X
+  double top_logit = -detail::infinity();      ///< max over G
+  std::int32_t top = -1;                       ///< its smallest position
+  double rest_logit = -detail::infinity();     ///< max over G without `top`
+  double evicted_logit = -detail::infinity();  ///< max over X
   double z_cached = 0.0;   ///< over G, frame top_logit
   double z_rest = 0.0;     ///< over G without `top`, frame rest_logit
   double z_evicted = 0.0;  ///< over X, frame evicted_logit
@@ -93,7 +92,7 @@ KVEVICT_HOST_DEVICE KVEVICT_REPRODUCIBLE inline double leave_one_out_error(
   using detail::sub;
   // out(G \ {v}) = num_g / z_g, in the frame of logit m_g.
   const bool top = v == f.top;
-  if (top && f.z_rest == 0.0) return std::numeric_limits<double>::infinity();
+  if (top && f.z_rest == 0.0) return detail::infinity();
   const double e_v = top ? 0.0 : reproducible_exp(sub(logit, f.top_logit));
   const double z_g = top ? f.z_rest : sub(f.z_cached, e_v);
   const double m_g = top ? f.rest_logit : f.top_logit;

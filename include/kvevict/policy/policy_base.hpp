@@ -1,8 +1,9 @@
 #pragma once
-// policy_base: the decode cycle and prefill compression (DESIGN §3) shared by
-// every policy. A policy supplies two decisions through CRTP:
+// policy_base: the decode cycle and prefill compression (docs/semantics.md)
+// shared by every policy. A policy hands its decode decision to the base as
+// a decode_rule (decode_rules.hpp, the rules the batched backends run too)
+// and supplies its prefill keep set through CRTP:
 //
-//   std::int32_t choose_victim(b, h) const;   // slot to free, among occupied
 //   void select_keep(b, h, L, const float* prefill_scores,
 //                    std::int32_t* keep) const; // positions, ascending
 //
@@ -22,6 +23,7 @@
 #include "kvevict/error.hpp"
 #include "kvevict/kv_view.hpp"
 #include "kvevict/order.hpp"
+#include "kvevict/policy/decode_rules.hpp"
 #include "kvevict/policy/policy_shape.hpp"
 #include "kvevict/policy/score_increments.hpp"
 #include "kvevict/score_inputs.hpp"
@@ -33,7 +35,9 @@ template <class Derived>
 class policy_base {
  public:
   const policy_shape& shape() const noexcept { return shape_; }
-  std::int32_t budget() const noexcept { return budget_; }
+  std::int32_t budget() const noexcept { return rule_.budget; }
+  /// The decode decision as data: what the batched backends run.
+  const decode_rule& rule() const noexcept { return rule_; }
   const slot_table& slots() const noexcept { return slots_; }
 
   /// Slot that sequence b's next token takes in KV head h (DESIGN §3 step 1),
@@ -76,8 +80,7 @@ class policy_base {
       // "no hole while filling", the next slot is `count` until then, and
       // after that only evict can free one. Slots beyond budget + 1 (a larger
       // capacity for prompts) stay unused, so paged engines may reclaim them.
-      const std::int32_t count = ++slots_.count_ref(b, h);
-      slots_.next_slot_ref(b, h) = count <= budget_ ? count : -1;
+      slots_.next_slot_ref(b, h) = next_slot_after_append(++slots_.count_ref(b, h), rule_.budget);
     }
     slots_.length_ref(b) = position + 1;
     return position;
@@ -99,7 +102,7 @@ class policy_base {
     const detail::site w = where("evict");
     detail::require_index(w, "sequence", b, shape_.num_seqs);
     const std::int32_t heads = shape_.num_kv_heads;
-    if (slots_.count(b, 0) <= budget_) {
+    if (slots_.count(b, 0) <= rule_.budget) {
       if (victim_slots) std::fill_n(victim_slots, heads, -1);
       return 0;
     }
@@ -133,7 +136,7 @@ class policy_base {
     detail::reduce_groups(
         w, "probs", group(), expected[1], occupied(b), [&](std::int32_t q, std::int32_t s) { return in.probs(q, s); },
         scratch_.data(), shape_.capacity);
-    commit_increments(b);
+    commit_increments(w, b);
   }
 
   /// Adds per-KV-head increments the engine reduced itself.
@@ -151,22 +154,43 @@ class policy_base {
           detail::require_finite(w, "scores", x, h, s);
           scratch_[std::size_t(h) * shape_.capacity + s] = x;
         }
-    commit_increments(b);
+    commit_increments(w, b);
+  }
+
+  /// Fused-attention path with logits: prob = exp(logits(q, s) * scale -
+  /// lse(q)), computed as every backend computes it (probability_from_logit).
+  void observe(std::int32_t b, const decode_logits& in) {
+    const detail::site w = where("observe");
+    require_decoding(w, b);
+    const std::int32_t expected[2] = {shape_.num_q_heads, occupied_width(b)};
+    const bool at_least[2] = {false, true};
+    detail::require_extents(w, "logits", in.logits, expected, at_least);
+    require_lse(w, in.lse);
+    detail::require_scale(w, in.scale);
+    detail::require_lse_base(w, "base", in.base);
+    const auto wanted = occupied(b);
+    for (std::int32_t q = 0; q < shape_.num_q_heads; ++q)
+      for (std::int32_t s = 0; s < expected[1]; ++s)
+        if (wanted(q / shape_.group_size(), s)) detail::require_finite(w, "logits", in.logits(q, s), q, s);
+    detail::reduce_groups(
+        w, "probs from (logits, lse)", group(), expected[1], wanted,
+        [&](std::int32_t q, std::int32_t s) { return probability_from_logit(in.logits(q, s), in.scale, in.lse(q), in.base); },
+        scratch_.data(), shape_.capacity);
+    commit_increments(w, b);
   }
 
   /// Fused-attention path: recomputes prob = exp(q . k_s * scale - lse) from
-  /// the cached keys, so no probability matrix is needed.
+  /// the cached keys, so no probability matrix is needed. q . k_s and the
+  /// exp are computed as every backend computes them (attention_logit,
+  /// probability_from_logit).
   template <class Q, class T, class Layout>
   void observe(std::int32_t b, const decode_queries<Q>& in, const kv_view<T, Layout>& view) {
     const detail::site w = where("observe");
     require_decoding(w, b);
     require_view(w, view);
     require_decode_queries(w, in, view.head_dim);
-    const std::int32_t el[1] = {shape_.num_q_heads};
-    const bool exact[1] = {false};
-    detail::require_extents(w, "lse", in.lse, el, exact);
-    for (std::int32_t q = 0; q < shape_.num_q_heads; ++q)
-      detail::require_finite(w, "lse", in.lse(q), q);
+    require_lse(w, in.lse);
+    detail::require_lse_base(w, "base", in.base);
     const auto wanted = occupied(b);
     const std::int32_t width = occupied_width(b);
     require_rows(w, view, b, width, wanted);
@@ -174,11 +198,11 @@ class policy_base {
     detail::reduce_groups(
         w, "probs from (q, lse)", group(), width, wanted,
         [&](std::int32_t q, std::int32_t s) {
-          const float logit = detail::dot(&in.q(q, 0), in.q.strides[1], view.k_row(b, q / g, s), view.head_dim);
-          return std::exp(logit * in.scale - detail::natural_lse(in.lse(q), in.base));
+          const float logit = attention_logit(&in.q(q, 0), in.q.strides[1], view.k_row(b, q / g, s), view.head_dim);
+          return probability_from_logit(logit, in.scale, in.lse(q), in.base);
         },
         scratch_.data(), shape_.capacity);
-    commit_increments(b);
+    commit_increments(w, b);
   }
 
   // ---- prefill compression (DESIGN §3): prompt position p sits in slot p ----
@@ -244,6 +268,7 @@ class policy_base {
     const std::int32_t el[2] = {shape_.num_q_heads, length};
     detail::require_extents(w, "lse", in.lse, el, at_least);
     detail::require_scale(w, in.scale);
+    detail::require_lse_base(w, "base", in.base);
     for (std::int32_t q = 0; q < shape_.num_q_heads; ++q)
       for (std::int32_t i = 0; i < length; ++i) {
         detail::require_finite(w, "lse", in.lse(q, i), q, i);
@@ -258,8 +283,8 @@ class policy_base {
           const auto* key = view.k_row(b, q / g, p);
           float sum = 0.0f;
           for (std::int32_t i = p; i < length; ++i) {
-            const float logit = detail::dot(&in.q(q, i, 0), in.q.strides[2], key, view.head_dim);
-            sum += std::exp(logit * in.scale - detail::natural_lse(in.lse(q, i), in.base));
+            const float logit = attention_logit(&in.q(q, i, 0), in.q.strides[2], key, view.head_dim);
+            sum += probability_from_logit(logit, in.scale, in.lse(q, i), in.base);
           }
           return sum;
         },
@@ -268,9 +293,9 @@ class policy_base {
   }
 
  protected:
-  policy_base(const char* name, const policy_shape& shape, std::int32_t budget, group_reduce reduce)
-      : name_(name), shape_(shape), budget_(budget), reduce_(reduce) {
-    detail::validate_shape(where("constructor"), shape, budget);
+  policy_base(const char* name, const policy_shape& shape, const decode_rule& rule)
+      : name_(name), shape_(shape), rule_(rule) {
+    detail::validate_shape(where("constructor"), shape, rule.budget);
     slots_ = slot_table(shape.num_seqs, shape.num_kv_heads, shape.capacity);
     scores_.assign(std::size_t(shape.num_seqs) * shape.num_kv_heads * shape.capacity, 0.0f);
     scratch_.assign(std::size_t(shape.num_kv_heads) * shape.capacity, 0.0f);
@@ -282,6 +307,17 @@ class policy_base {
   // Optional hooks; a policy with state of its own hides them.
   void check_evict(const detail::site&, std::int32_t) const {}  // throws to refuse an eviction
   void on_reset(std::int32_t) noexcept {}
+  std::uint64_t stream_of(std::int32_t b) const noexcept { return std::uint64_t(b); }  // random's draws
+
+ public:
+  /// The victim slot of (b, h) by the policy's decode_rule, or -1 when every
+  /// occupied token is protected.
+  std::int32_t choose_victim(std::int32_t b, std::int32_t h) const {
+    return pick_victim(rule_, slots_.positions_of(b, h), scores_of(b, h), shape_.capacity, slots_.length(b),
+                       derived().stream_of(b), h, order_.data());
+  }
+
+ protected:
 
   Derived& derived() noexcept { return static_cast<Derived&>(*this); }
   const Derived& derived() const noexcept { return static_cast<const Derived&>(*this); }
@@ -296,27 +332,6 @@ class policy_base {
     return scores_.data() + head_index(b, h) * shape_.capacity;
   }
 
-  /// The occupied slot of (b, h) with the lowest key(slot, position) among
-  /// positions in [sinks, length(b) - recent), or -1 if there is none.
-  template <class Key>
-  std::int32_t min_key_victim(std::int32_t b, std::int32_t h, std::int32_t sinks, std::int32_t recent,
-                              Key key) const {
-    const std::int32_t* pos = slots_.positions_of(b, h);
-    const std::int32_t end = slots_.length(b) - recent;
-    std::int32_t victim = -1;
-    std::uint64_t best = std::numeric_limits<std::uint64_t>::max();
-    for (std::int32_t s = 0; s < shape_.capacity; ++s) {
-      const std::int32_t p = pos[s];
-      if (p < sinks || p >= end) continue;  // free slots have p = -1 < sinks
-      const std::uint64_t k = key(s, p);
-      if (victim < 0 || k < best) {
-        best = k;
-        victim = s;
-      }
-    }
-    return victim;
-  }
-
   /// Prefill keep set of positions [0, L): the first `sinks` and the last
   /// `recent` positions, plus the budget - sinks - recent candidates in
   /// between with the highest key(p); written ascending to keep[0, budget).
@@ -324,12 +339,12 @@ class policy_base {
   template <class Key>
   void keep_top_keys(std::int32_t length, std::int32_t sinks, std::int32_t recent, Key key,
                      std::int32_t* keep) const {
-    if (length <= budget_) {
+    if (length <= rule_.budget) {
       for (std::int32_t p = 0; p < length; ++p) keep[p] = p;
       return;
     }
     const std::int32_t lo = std::min(sinks, length), hi = std::max(lo, length - recent);
-    const std::int32_t take = budget_ - lo - (length - hi);
+    const std::int32_t take = rule_.budget - lo - (length - hi);
     std::int32_t n = 0;
     for (std::int32_t p = 0; p < lo; ++p) keep[n++] = p;
     std::int32_t* cand = order_.data();
@@ -425,7 +440,14 @@ class policy_base {
   static auto all_columns() noexcept {
     return [](std::int32_t, std::int32_t) { return true; };
   }
-  detail::group_info group() const noexcept { return {shape_.num_kv_heads, shape_.group_size(), reduce_}; }
+  detail::group_info group() const noexcept { return {shape_.num_kv_heads, shape_.group_size(), rule_.reduce}; }
+
+  void require_lse(const detail::site& w, const tensor_view<const float, 1>& lse) const {
+    const std::int32_t el[1] = {shape_.num_q_heads};
+    const bool exact[1] = {false};
+    detail::require_extents(w, "lse", lse, el, exact);
+    for (std::int32_t q = 0; q < shape_.num_q_heads; ++q) detail::require_finite(w, "lse", lse(q), q);
+  }
 
   void score_column_sums(const detail::site& w, std::int32_t length, const prefill_column_sums& in) {
     const std::int32_t expected[2] = {shape_.num_q_heads, length};
@@ -436,8 +458,18 @@ class policy_base {
         scratch_.data(), shape_.capacity);
   }
 
-  /// Adds the validated increments in scratch_ to the occupied slots of b.
-  void commit_increments(std::int32_t b) noexcept {
+  /// Adds the validated increments in scratch_ to the occupied slots of b,
+  /// after checking that no score would overflow to a non-finite value.
+  void commit_increments(const detail::site& w, std::int32_t b) {
+    for (std::int32_t h = 0; h < shape_.num_kv_heads; ++h) {
+      const std::int32_t* pos = slots_.positions_of(b, h);
+      const float* inc = scratch_.data() + std::size_t(h) * shape_.capacity;
+      const float* score = scores_of(b, h);
+      for (std::int32_t s = 0; s < shape_.capacity; ++s)
+        if (pos[s] >= 0 && !std::isfinite(score[s] + inc[s]))
+          detail::fail_state<non_finite_error>(w, "sequence ", b, " head ", h, " slot ", s, ": score ", score[s],
+                                               " + increment ", inc[s], " overflows");
+    }
     for (std::int32_t h = 0; h < shape_.num_kv_heads; ++h) {
       const std::int32_t* pos = slots_.positions_of(b, h);
       const float* inc = scratch_.data() + std::size_t(h) * shape_.capacity;
@@ -456,7 +488,7 @@ class policy_base {
       require_rows(w, *view, b, length, all_columns());
       require_distinct_pages(w, *view, b, length);
     }
-    const std::int32_t kept = std::min(length, budget_);
+    const std::int32_t kept = std::min(length, rule_.budget);
     for (std::int32_t h = 0; h < shape_.num_kv_heads; ++h)
       derived().select_keep(b, h, length, prefill_scores(h), keep_.data() + std::size_t(h) * shape_.capacity);
     for (std::int32_t h = 0; h < shape_.num_kv_heads; ++h) {
@@ -478,7 +510,7 @@ class policy_base {
     if constexpr (std::is_same_v<Layout, paged_layout>) {
       if (view) {
         const std::int32_t page = view->layout.page_size;
-        const std::int32_t needed = pages_for(std::min(budget_ + 1, shape_.capacity), page);
+        const std::int32_t needed = pages_for(std::min(rule_.budget + 1, shape_.capacity), page);
         result.reclaimable_pages = std::max(0, pages_for(length, page) - needed);
       }
     }
@@ -487,8 +519,7 @@ class policy_base {
 
   const char* name_;
   policy_shape shape_;
-  std::int32_t budget_;
-  group_reduce reduce_;
+  decode_rule rule_;
   slot_table slots_;
   std::vector<float> scores_;    // [B][Hkv][capacity]
   std::vector<float> scratch_;   // [Hkv][capacity] increments / prefill scores

@@ -3,6 +3,7 @@
 #include <cstdint>
 
 #include "kvevict/error.hpp"
+#include "kvevict/score_inputs.hpp"
 
 namespace kvevict {
 
@@ -37,6 +38,18 @@ std::int32_t budget_sum(const Where& where, const char* parts, std::int32_t a, s
   if (sum >= std::int64_t{INT32_MAX})
     fail<budget_error>(where, parts, "= ", sum, " is too large (the capacity budget + 1 must fit in int32)");
   return static_cast<std::int32_t>(sum);
+}
+
+template <class Where>
+void require_group_reduce(const Where& where, const char* arg, group_reduce r) {
+  if (r != group_reduce::sum && r != group_reduce::mean && r != group_reduce::max)
+    fail<invalid_argument>(where, arg, "= ", static_cast<int>(r), " is not a group_reduce (sum, mean or max)");
+}
+
+template <class Where>
+void require_lse_base(const Where& where, const char* arg, lse_base base) {
+  if (base != lse_base::natural && base != lse_base::base2)
+    fail<invalid_argument>(where, arg, "= ", static_cast<int>(base), " is not an lse_base (natural or base2)");
 }
 
 template <class Where>

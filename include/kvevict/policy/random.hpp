@@ -22,10 +22,37 @@ struct random_config {
   std::uint64_t seed = 0;
 };
 
+class random_policy;
+
+template <>
+struct policy_traits<random_policy> {
+  using config_type = random_config;
+  static constexpr const char* name = "random_policy";
+  static constexpr bool has_streams = true;
+  static constexpr bool has_history = false;
+
+  /// Validates `c` and returns the rule: the k-th unprotected token by
+  /// position, k drawn from Philox for (seed, stream, head, newest position).
+  static decode_rule rule(const random_config& c, const char* function = "constructor") {
+    const detail::site w{name, function};
+    if (c.sinks < 0) detail::fail<budget_error>(w, "config.sinks", "= ", c.sinks, " is negative");
+    if (c.recent < 0) detail::fail<budget_error>(w, "config.recent", "= ", c.recent, " is negative");
+    if (std::int64_t{c.sinks} + c.recent >= c.budget)
+      detail::fail<budget_error>(w, "config.sinks + config.recent", "= ", std::int64_t{c.sinks} + c.recent,
+                                 " leaves no evictable token within budget = ", c.budget);
+    decode_rule r;
+    r.victim = victim_rule::random_rank;
+    r.protect = {c.sinks, c.recent};
+    r.budget = c.budget;
+    r.seed = c.seed;
+    return r;
+  }
+};
+
 class random_policy : public policy_base<random_policy> {
  public:
   random_policy(const policy_shape& shape, const random_config& config)
-      : policy_base("random_policy", shape, checked(config).budget, group_reduce::sum),
+      : policy_base("random_policy", shape, policy_traits<random_policy>::rule(config)),
         config_(config),
         streams_(std::size_t(shape.num_seqs)) {
     for (std::int32_t b = 0; b < shape.num_seqs; ++b) streams_[std::size_t(b)] = std::uint64_t(b);
@@ -53,24 +80,9 @@ class random_policy : public policy_base<random_policy> {
     streams_[std::size_t(b)] = stream;
   }
 
-  /// policy_base::reset hook.
+  /// policy_base hooks.
   void on_reset(std::int32_t b) noexcept { streams_[std::size_t(b)] = std::uint64_t(b); }
-
-  /// The k-th unprotected token in position order, k uniform in [0, n).
-  std::int32_t choose_victim(std::int32_t b, std::int32_t h) const {
-    const std::int32_t* pos = slots_.positions_of(b, h);
-    const std::int32_t end = slots_.length(b) - config_.recent;
-    std::int32_t* cand = order_.data();
-    std::int32_t n = 0;
-    for (std::int32_t s = 0; s < shape_.capacity; ++s)
-      if (pos[s] >= config_.sinks && pos[s] < end) cand[n++] = s;
-    if (n == 0) return -1;
-    const std::uint32_t draw = random_draw(config_.seed, random_use::decode_victim, streams_[std::size_t(b)], h,
-                                             slots_.length(b) - 1);
-    const std::int32_t k = static_cast<std::int32_t>(uniform_index(draw, static_cast<std::uint32_t>(n)));
-    std::nth_element(cand, cand + k, cand + n, [pos](std::int32_t x, std::int32_t y) { return pos[x] < pos[y]; });
-    return cand[k];
-  }
+  std::uint64_t stream_of(std::int32_t b) const noexcept { return streams_[std::size_t(b)]; }
 
   /// Sinks, the recent window, and a uniform random subset of the rest: each
   /// candidate gets a Philox priority, the highest priorities are kept.
@@ -92,16 +104,6 @@ class random_policy : public policy_base<random_policy> {
   }
 
  private:
-  static const random_config& checked(const random_config& c) {
-    const detail::site w{"random_policy", "constructor"};
-    if (c.sinks < 0) detail::fail<budget_error>(w, "config.sinks", "= ", c.sinks, " is negative");
-    if (c.recent < 0) detail::fail<budget_error>(w, "config.recent", "= ", c.recent, " is negative");
-    if (std::int64_t{c.sinks} + c.recent >= c.budget)
-      detail::fail<budget_error>(w, "config.sinks + config.recent", "= ", std::int64_t{c.sinks} + c.recent,
-                                 " leaves no evictable token within budget = ", c.budget);
-    return c;
-  }
-
   random_config config_;
   std::vector<std::uint64_t> streams_;  // [num_seqs]
 };

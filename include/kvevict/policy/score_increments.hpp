@@ -1,6 +1,7 @@
 #pragma once
 // Turning each score input (score_inputs.hpp) into one float per
-// (KV head, slot): the GQA group reduction of DESIGN §4, with validation.
+// (KV head, slot): the GQA group reduction (decode_rules.hpp), with
+// validation that names the offending element.
 //
 // Results go to a caller buffer first and are committed only when every value
 // has been checked, which is how observe/prefill keep the strong guarantee.
@@ -11,6 +12,7 @@
 #include "kvevict/dtype/convert.hpp"
 #include "kvevict/error.hpp"
 #include "kvevict/kv_view.hpp"
+#include "kvevict/policy/decode_rules.hpp"
 #include "kvevict/score_inputs.hpp"
 #include "kvevict/tensor_view.hpp"
 
@@ -43,9 +45,20 @@ void require_probability(const Where& where, const char* arg, float x, Index... 
   fail<invalid_argument>(where, name, "= ", x, " is negative");
 }
 
+/// Throws for the bad input a fold_group reported at query head q, column c.
+template <class Where>
+[[noreturn]] void fail_input(const Where& where, const char* arg, const slot_increment& inc, float x, std::int32_t c) {
+  if (inc.code == batch_code::negative_probability) {
+    fail<invalid_argument>(where, concat(arg, "[", inc.query, "][", c, "]"), "= ", x, " is negative");
+  }
+  require_finite(where, arg, x, inc.query, c);
+  fail<invalid_argument>(where, concat(arg, "[", inc.query, "][", c, "]"), "= ", x, " is not a valid input");
+}
+
 /// out[h * out_stride + c] = reduce over the query heads q of group h of
-/// value(q, c), for every column c with wanted(h, c). value() returns a
-/// probability mass; it is validated here under the name `arg`.
+/// value(q, c), for every column c with wanted(h, c), by fold_group (the
+/// rule every backend shares). value() returns a probability mass; it is
+/// validated there and reported under the name `arg`.
 template <class Where, class Wanted, class Value>
 void reduce_groups(const Where& where, const char* arg, const group_info& g, std::int32_t columns, Wanted wanted,
                    Value value, float* out, std::int64_t out_stride) {
@@ -53,27 +66,12 @@ void reduce_groups(const Where& where, const char* arg, const group_info& g, std
     float* row = out + h * out_stride;
     for (std::int32_t c = 0; c < columns; ++c) {
       if (!wanted(h, c)) continue;
-      float acc = 0.0f;
-      for (std::int32_t j = 0; j < g.group_size; ++j) {
-        const std::int32_t q = h * g.group_size + j;
-        const float x = value(q, c);
-        require_probability(where, arg, x, q, c);
-        acc = g.reduce == group_reduce::max ? std::max(acc, x) : acc + x;
-      }
-      row[c] = g.reduce == group_reduce::mean ? acc / static_cast<float>(g.group_size) : acc;
+      const slot_increment inc =
+          fold_group(h * g.group_size, g.group_size, g.reduce, true, [&](std::int32_t q) { return value(q, c); });
+      if (inc.code != batch_code::ok) fail_input(where, arg, inc, value(inc.query, c), c);
+      row[c] = inc.value;
     }
   }
-}
-
-template <class A, class B>
-float dot(const A* a, std::int64_t a_stride, const B* b, std::int32_t n) noexcept {
-  float acc = 0.0f;
-  for (std::int32_t d = 0; d < n; ++d) acc += to_float(a[d * a_stride]) * to_float(b[d]);
-  return acc;
-}
-
-inline float natural_lse(float lse, lse_base base) noexcept {
-  return base == lse_base::base2 ? lse * 0.69314718055994530942f : lse;
 }
 
 template <class Where, class V>

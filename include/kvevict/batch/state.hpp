@@ -1,0 +1,191 @@
+#pragma once
+// The state of a batched policy, as a trivially copyable view of memory the
+// caller provides (docs/semantics.md, "Devices"): the slot table, the
+// scores, and what a policy keeps of its own. The same view type serves the
+// host and CUDA; on CUDA every pointer is device memory, and engine kernels
+// may read it in place (an append kernel reads next_slots, an attention
+// kernel reads counts).
+//
+// Memory follows CUB's two-phase pattern: batch_state_bytes<Policy>(...)
+// says how much, make_batch_state<Policy>(memory, bytes, ...) carves views
+// out of it (any alignment; the size includes the slack to align), and an
+// init call of the device sets the initial values.
+//
+// Scores are double-buffered: observe + evict reads a head's scores from one
+// buffer and writes the updated ones to the other, and switches that head's
+// score_buffer only if every input was good. So bad input leaves (b, h)
+// exactly as it was without a second pass over the inputs, on every device.
+// Free slots hold 0 in the current buffer; the other buffer is scratch.
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+
+#include "kvevict/config.hpp"
+#include "kvevict/error.hpp"
+#include "kvevict/policy/decode_rules.hpp"
+#include "kvevict/policy/leave_one_out.hpp"
+#include "kvevict/policy/policy_shape.hpp"
+#include "kvevict/slot_table.hpp"
+
+namespace kvevict {
+
+/// exact_greedy's history: every K/V row (b, h) has seen, as float, and the
+/// scratch its leave-one-out pass needs.
+struct history_view {
+  float* keys = nullptr;           ///< [B][H][max_tokens][head_dim]
+  float* values = nullptr;         ///< [B][H][max_tokens][head_dim]
+  std::int32_t* rows = nullptr;    ///< [B][H]: rows recorded so far
+  std::uint8_t* cached = nullptr;  ///< [B][H][max_tokens]: 1 for cached positions (scratch)
+  double* work = nullptr;          ///< [B][H][work_doubles()] (scratch)
+  std::int32_t max_tokens = 0;
+  std::int32_t head_dim = 0;
+  std::int32_t capacity = 0;
+
+  /// Scratch doubles per (b, h): logits and two exp terms per row, three
+  /// numerators, and an error per slot.
+  KVEVICT_HOST_DEVICE std::int64_t work_doubles() const noexcept {
+    return 3 * std::int64_t{max_tokens} + 3 * std::int64_t{head_dim} + capacity;
+  }
+};
+
+/// Sizes exact_greedy's history needs; zero for the other policies.
+struct history_extent {
+  std::int32_t max_tokens = 0;  ///< the longest a sequence may grow
+  std::int32_t head_dim = 0;
+};
+
+struct batch_state_view {
+  slot_table_view slots;                 ///< positions [B][H][capacity], counts, next_slots [B][H], lengths [B]
+  float* scores = nullptr;               ///< [2][B][H][capacity]: two buffers, see score_buffer
+  std::uint8_t* score_buffer = nullptr;  ///< [B][H]: the buffer (0 or 1) holding (b, h)'s scores
+  std::uint64_t* streams = nullptr;      ///< [B]: random's request streams (null for other policies)
+  history_view history;                  ///< exact_greedy only (null pointers otherwise)
+  decode_rule rule;
+  std::int32_t num_q_heads = 0;
+
+  KVEVICT_HOST_DEVICE std::int32_t num_seqs() const noexcept { return slots.num_seqs; }
+  KVEVICT_HOST_DEVICE std::int32_t num_heads() const noexcept { return slots.num_heads; }
+  KVEVICT_HOST_DEVICE std::int32_t capacity() const noexcept { return slots.capacity; }
+  KVEVICT_HOST_DEVICE std::int32_t group_size() const noexcept { return num_q_heads / slots.num_heads; }
+  KVEVICT_HOST_DEVICE std::int64_t head_index(std::int32_t b, std::int32_t h) const noexcept {
+    return slots.head_index(b, h);
+  }
+  /// The current scores of (b, h).
+  KVEVICT_HOST_DEVICE float* scores_of(std::int32_t b, std::int32_t h) const noexcept {
+    return buffer_of(b, h, score_buffer[head_index(b, h)]);
+  }
+  /// The other buffer, where observe + evict writes the updated scores.
+  KVEVICT_HOST_DEVICE float* spare_scores_of(std::int32_t b, std::int32_t h) const noexcept {
+    return buffer_of(b, h, 1 - score_buffer[head_index(b, h)]);
+  }
+  KVEVICT_HOST_DEVICE float* buffer_of(std::int32_t b, std::int32_t h, std::int32_t which) const noexcept {
+    const std::int64_t heads = std::int64_t{slots.num_seqs} * slots.num_heads;
+    return scores + (which * heads + head_index(b, h)) * slots.capacity;
+  }
+};
+
+static_assert(std::is_trivially_copyable_v<batch_state_view>, "the state view goes to kernels by value");
+
+namespace detail {
+
+// Carves aligned sub-buffers out of [memory, memory + bytes); with a null
+// memory it only counts, which is how the size query and the carve share
+// one description of the layout.
+class state_carver {
+ public:
+  static constexpr std::size_t alignment = 256;  // what cudaMalloc returns; enough for any vector access
+
+  explicit state_carver(void* memory) noexcept
+      : base_(memory ? align_up(reinterpret_cast<std::uintptr_t>(memory)) : 0), offset_(0) {}
+
+  template <class T>
+  T* take(std::int64_t count) noexcept {
+    T* p = base_ ? reinterpret_cast<T*>(base_ + offset_) : nullptr;
+    offset_ = align_up(offset_ + static_cast<std::size_t>(count) * sizeof(T));
+    return p;
+  }
+  /// Bytes used, plus the slack that aligning an arbitrary base may cost.
+  std::size_t bytes() const noexcept { return offset_ + alignment - 1; }
+
+ private:
+  static std::size_t align_up(std::size_t x) noexcept { return (x + alignment - 1) / alignment * alignment; }
+  std::uintptr_t base_;
+  std::size_t offset_;
+};
+
+template <class Policy>
+batch_state_view carve_state(void* memory, const policy_shape& shape, const decode_rule& rule,
+                             const history_extent& history, std::size_t* bytes) {
+  state_carver c(memory);
+  const std::int64_t heads = std::int64_t{shape.num_seqs} * shape.num_kv_heads;
+  const std::int64_t slots = heads * shape.capacity;
+  batch_state_view v;
+  v.slots.positions = c.take<std::int32_t>(slots);
+  v.slots.counts = c.take<std::int32_t>(heads);
+  v.slots.next_slots = c.take<std::int32_t>(heads);
+  v.slots.lengths = c.take<std::int32_t>(shape.num_seqs);
+  v.slots.num_seqs = shape.num_seqs;
+  v.slots.num_heads = shape.num_kv_heads;
+  v.slots.capacity = shape.capacity;
+  v.scores = c.take<float>(2 * slots);
+  v.score_buffer = c.take<std::uint8_t>(heads);
+  if (policy_traits<Policy>::has_streams) v.streams = c.take<std::uint64_t>(shape.num_seqs);
+  if (policy_traits<Policy>::has_history) {
+    history_view& hv = v.history;
+    hv.max_tokens = history.max_tokens;
+    hv.head_dim = history.head_dim;
+    hv.capacity = shape.capacity;
+    const std::int64_t rows = heads * history.max_tokens;
+    hv.keys = c.take<float>(rows * history.head_dim);
+    hv.values = c.take<float>(rows * history.head_dim);
+    hv.rows = c.take<std::int32_t>(heads);
+    hv.cached = c.take<std::uint8_t>(rows);
+    hv.work = c.take<double>(heads * hv.work_doubles());
+  }
+  v.rule = rule;
+  v.num_q_heads = shape.num_q_heads;
+  if (bytes) *bytes = c.bytes();
+  return v;
+}
+
+template <class Policy>
+void require_history_extent(const site& w, const policy_shape& shape, const history_extent& history) {
+  if (!policy_traits<Policy>::has_history) return;
+  require_positive(w, "history.head_dim", history.head_dim);
+  if (history.max_tokens < shape.capacity)
+    fail<invalid_argument>(w, "history.max_tokens", "= ", history.max_tokens, " is below the capacity ",
+                           shape.capacity);
+}
+
+}  // namespace detail
+
+/// Bytes of caller memory a batched Policy needs for `shape` (any alignment
+/// of the memory is fine). exact_greedy also needs `history`.
+template <class Policy>
+std::size_t batch_state_bytes(const policy_shape& shape, const typename policy_traits<Policy>::config_type& config,
+                              const history_extent& history = {}) {
+  const detail::site w{policy_traits<Policy>::name, "batch_state_bytes"};
+  const decode_rule rule = policy_traits<Policy>::rule(config);
+  detail::validate_shape(w, shape, rule.budget);
+  detail::require_history_extent<Policy>(w, shape, history);
+  std::size_t bytes = 0;
+  detail::carve_state<Policy>(nullptr, shape, rule, history, &bytes);
+  return bytes;
+}
+
+/// Views of a batched Policy's state in `memory` (at least
+/// batch_state_bytes). The values are not initialised: call the device's
+/// init (host: init_batch_state; CUDA: cuda::init_batch_state).
+template <class Policy>
+batch_state_view make_batch_state(void* memory, std::size_t bytes, const policy_shape& shape,
+                                  const typename policy_traits<Policy>::config_type& config,
+                                  const history_extent& history = {}) {
+  const detail::site w{policy_traits<Policy>::name, "make_batch_state"};
+  detail::require_not_null(w, "memory", memory);
+  const std::size_t needed = batch_state_bytes<Policy>(shape, config, history);
+  if (bytes < needed)
+    detail::fail<invalid_argument>(w, "bytes", "= ", bytes, " is below batch_state_bytes = ", needed);
+  return detail::carve_state<Policy>(memory, shape, policy_traits<Policy>::rule(config), history, nullptr);
+}
+
+}  // namespace kvevict
