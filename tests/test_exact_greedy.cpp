@@ -160,7 +160,7 @@ TEST_CASE("leave-one-out errors meet the stated bound against the definition in 
       }
       for (std::int32_t p : c.cached) in_cache[std::size_t(p)] = 1;
       std::vector<double> err(c.cached.size(), 0.0), work(leave_one_out_work_size(c.rows, c.d));
-      leave_one_out_errors(c.q.data(), kflat.data(), vflat.data(), c.d, c.scale, c.rows, in_cache.data(),
+      leave_one_out_errors(c.q.data(), 1, kflat.data(), vflat.data(), c.d, c.scale, c.rows, in_cache.data(),
                            c.cached.data(), std::int32_t(c.cached.size()), err.data(), work.data());
       // The bound of docs/policies.md: |err - E| <= 4 u (n + d (1 + L)) (E + w sqrt(d E) V),
       // u = 2^-53, L the largest sum |scale q_i k_i| and V the largest

@@ -172,6 +172,20 @@ void require_row(const Where& where, const kv_view<T, Layout>& view, std::int32_
   }
 }
 
+/// Whether slot s of sequence b maps to memory of the view: always for a
+/// strided view; for a paged one, when its page id is inside the pool. The
+/// unchecked form for kernels, which report instead of throwing.
+template <class T, class Layout>
+KVEVICT_HOST_DEVICE bool row_is_mapped(const kv_view<T, Layout>& view, std::int32_t b, std::int32_t s) noexcept {
+  if constexpr (std::is_same_v<Layout, paged_layout>) {
+    const std::int32_t page = view.layout.page_id(b, s);
+    return page >= 0 && page < view.layout.num_pages;
+  } else {
+    (void)view, (void)b, (void)s;
+    return true;
+  }
+}
+
 /// For a paged view: throws unless the pages holding slots [0, slots) of
 /// sequence b are distinct, since moving rows between two slots that share a
 /// page id would overwrite one with the other. Strided views always pass.

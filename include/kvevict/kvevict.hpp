@@ -1,9 +1,14 @@
 #pragma once
 // Everything kvevict offers on the host. Include single headers instead to
 // keep compile times down; each one compiles on its own.
+#include "kvevict/batch/batched_policy.hpp"
+#include "kvevict/batch/host_backend.hpp"
 #include "kvevict/batch/inputs.hpp"
+#include "kvevict/batch/score_sources.hpp"
 #include "kvevict/batch/state.hpp"
 #include "kvevict/batch/status.hpp"
+#include "kvevict/batch/step.hpp"
+#include "kvevict/batch/validate.hpp"
 #include "kvevict/compaction.hpp"
 #include "kvevict/config.hpp"
 #include "kvevict/dtype/bfloat16.hpp"

@@ -58,24 +58,30 @@ struct batch_rows {
 /// flag per sequence, or (the default) all of them. On CUDA the list and the
 /// flags live in device memory; the list's length is known on the host.
 struct active_set {
-  const std::int32_t* list = nullptr;   ///< `count` distinct sequence indices, if not null
-  std::int32_t count = 0;               ///< entries of `list`
-  const std::uint8_t* flags = nullptr;  ///< [num_seqs], non-zero steps; used when list is null
+  enum class kind : std::uint8_t { all, list, flags };
+  kind mode = kind::all;
+  const std::int32_t* list = nullptr;   ///< `count` distinct sequence indices (mode list)
+  std::int32_t count = 0;               ///< entries of `list`; 0 steps nothing
+  const std::uint8_t* flags = nullptr;  ///< [num_seqs], non-zero steps (mode flags)
 
   static active_set all() noexcept { return {}; }
-  static active_set of_list(const std::int32_t* list, std::int32_t count) noexcept { return {list, count, nullptr}; }
-  static active_set of_flags(const std::uint8_t* flags) noexcept { return {nullptr, 0, flags}; }
+  static active_set of_list(const std::int32_t* list, std::int32_t count) noexcept {
+    return {kind::list, list, count, nullptr};
+  }
+  static active_set of_flags(const std::uint8_t* flags) noexcept { return {kind::flags, nullptr, 0, flags}; }
 
   /// How many entries a call walks: the list's length, or every sequence.
-  KVEVICT_HOST_DEVICE std::int32_t entries(std::int32_t num_seqs) const noexcept { return list ? count : num_seqs; }
+  KVEVICT_HOST_DEVICE std::int32_t entries(std::int32_t num_seqs) const noexcept {
+    return mode == kind::list ? count : num_seqs;
+  }
   /// The sequence of entry i, or -1 when entry i is inactive; -2 when the
   /// list names an index outside [0, num_seqs).
   KVEVICT_HOST_DEVICE std::int32_t sequence(std::int32_t i, std::int32_t num_seqs) const noexcept {
-    if (list) {
+    if (mode == kind::list) {
       const std::int32_t b = list[i];
       return b >= 0 && b < num_seqs ? b : -2;
     }
-    return flags && flags[i] == 0 ? -1 : i;
+    return mode == kind::flags && flags[i] == 0 ? -1 : i;
   }
 };
 

@@ -58,7 +58,9 @@ struct batch_state_view {
   slot_table_view slots;                 ///< positions [B][H][capacity], counts, next_slots [B][H], lengths [B]
   float* scores = nullptr;               ///< [2][B][H][capacity]: two buffers, see score_buffer
   std::uint8_t* score_buffer = nullptr;  ///< [B][H]: the buffer (0 or 1) holding (b, h)'s scores
+  std::uint8_t* appended = nullptr;      ///< [B][H]: 1 after an append, 0 after observe + evict
   std::uint64_t* streams = nullptr;      ///< [B]: random's request streams (null for other policies)
+  std::int32_t* victim_scratch = nullptr;  ///< [B][H][capacity]: random's candidates on the host (scratch)
   history_view history;                  ///< exact_greedy only (null pointers otherwise)
   decode_rule rule;
   std::int32_t num_q_heads = 0;
@@ -129,7 +131,11 @@ batch_state_view carve_state(void* memory, const policy_shape& shape, const deco
   v.slots.capacity = shape.capacity;
   v.scores = c.take<float>(2 * slots);
   v.score_buffer = c.take<std::uint8_t>(heads);
-  if (policy_traits<Policy>::has_streams) v.streams = c.take<std::uint64_t>(shape.num_seqs);
+  v.appended = c.take<std::uint8_t>(heads);
+  if (policy_traits<Policy>::has_streams) {
+    v.streams = c.take<std::uint64_t>(shape.num_seqs);
+    v.victim_scratch = c.take<std::int32_t>(slots);
+  }
   if (policy_traits<Policy>::has_history) {
     history_view& hv = v.history;
     hv.max_tokens = history.max_tokens;
@@ -165,8 +171,16 @@ template <class Policy>
 std::size_t batch_state_bytes(const policy_shape& shape, const typename policy_traits<Policy>::config_type& config,
                               const history_extent& history = {}) {
   const detail::site w{policy_traits<Policy>::name, "batch_state_bytes"};
-  const decode_rule rule = policy_traits<Policy>::rule(config);
+  const decode_rule rule = policy_traits<Policy>::rule(config, "batch_state_bytes");
   detail::validate_shape(w, shape, rule.budget);
+  // The status word packs (sequence, head, slot) into 20, 12 and 28 bits.
+  if (shape.num_seqs > batch_status_limits::max_seqs)
+    detail::fail<out_of_range>(w, "shape.num_seqs", "= ", shape.num_seqs, " exceeds ", batch_status_limits::max_seqs);
+  if (shape.num_kv_heads > batch_status_limits::max_heads || shape.num_q_heads > batch_status_limits::max_heads)
+    detail::fail<out_of_range>(w, "shape.num_q_heads", "= ", shape.num_q_heads, " exceeds ",
+                               batch_status_limits::max_heads);
+  if (shape.capacity > batch_status_limits::max_index)
+    detail::fail<out_of_range>(w, "shape.capacity", "= ", shape.capacity, " exceeds ", batch_status_limits::max_index);
   detail::require_history_extent<Policy>(w, shape, history);
   std::size_t bytes = 0;
   detail::carve_state<Policy>(nullptr, shape, rule, history, &bytes);
@@ -185,7 +199,8 @@ batch_state_view make_batch_state(void* memory, std::size_t bytes, const policy_
   const std::size_t needed = batch_state_bytes<Policy>(shape, config, history);
   if (bytes < needed)
     detail::fail<invalid_argument>(w, "bytes", "= ", bytes, " is below batch_state_bytes = ", needed);
-  return detail::carve_state<Policy>(memory, shape, policy_traits<Policy>::rule(config), history, nullptr);
+  return detail::carve_state<Policy>(memory, shape, policy_traits<Policy>::rule(config, "make_batch_state"), history,
+                                     nullptr);
 }
 
 }  // namespace kvevict

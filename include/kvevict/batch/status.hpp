@@ -32,6 +32,7 @@ enum class batch_code : std::uint32_t {
   non_finite_kv = 10,        ///< exact_greedy: NaN or inf in the K/V row of slot `index`
   history_full = 11,         ///< exact_greedy: the sequence outgrew max_tokens
   history_gap = 12,          ///< exact_greedy: a step was appended but never observed
+  not_appended = 13,         ///< observe + evict with no append since the last one
 };
 
 /// The value of a clear status word.
@@ -83,6 +84,7 @@ inline const char* describe(batch_code code) noexcept {
     case batch_code::non_finite_kv: return "a K/V row is not finite";
     case batch_code::history_full: return "the sequence outgrew the history's max_tokens";
     case batch_code::history_gap: return "a step was appended but never observed";
+    case batch_code::not_appended: return "observe + evict without an append since the last one";
   }
   return "unknown status code";
 }
@@ -108,7 +110,8 @@ inline void throw_if_error(std::uint64_t word, const char* call = "batched call"
     case batch_code::bad_page: detail::fail_state<out_of_range>(where, at);
     case batch_code::no_free_slot:
     case batch_code::history_full:
-    case batch_code::history_gap: detail::fail_state<state_error>(where, at);
+    case batch_code::history_gap:
+    case batch_code::not_appended: detail::fail_state<state_error>(where, at);
     default: detail::fail_state<invalid_argument>(where, at);
   }
 }

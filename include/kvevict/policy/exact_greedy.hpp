@@ -224,7 +224,7 @@ class exact_greedy_policy : public policy_base<exact_greedy_policy> {
     const std::int32_t g = shape_.group_size();
     std::fill_n(errors_.begin(), n, 0.0);
     for (std::int32_t j = 0; j < g; ++j)
-      leave_one_out_errors(queries_.data() + std::size_t(h * g + j) * head_dim_, history_keys(b, h),
+      leave_one_out_errors(queries_.data() + std::size_t(h * g + j) * head_dim_, 1, history_keys(b, h),
                            history_values(b, h), head_dim_, scale_, rows, cached_.data(), members, n, errors_.data(),
                            work_.data());
   }

@@ -24,16 +24,20 @@
 // The pieces below are KVEVICT_HOST_DEVICE and use reproducible_math.hpp, so
 // the CUDA kernel evaluates the same expressions in the same order and gets
 // the same bits as the host.
+#include <cstddef>
 #include <cstdint>
 
 #include "kvevict/config.hpp"
 #include "kvevict/detail/reproducible_math.hpp"
+#include "kvevict/dtype/convert.hpp"
 
 namespace kvevict {
 
 /// scale * (q . k) in double, four interleaved partial sums combined as
-/// (s0 + s1) + (s2 + s3): the order every backend uses.
-KVEVICT_HOST_DEVICE KVEVICT_REPRODUCIBLE inline double history_logit(const float* q, const float* k,
+/// (s0 + s1) + (s2 + s3): the order every backend uses. q has stride
+/// q_stride and any element type; k is a history row (float).
+template <class Q>
+KVEVICT_HOST_DEVICE KVEVICT_REPRODUCIBLE inline double history_logit(const Q* q, std::int64_t q_stride, const float* k,
                                                                      std::int32_t head_dim, float scale) noexcept {
   KVEVICT_FP_CONTRACT_OFF
   using detail::add;
@@ -41,8 +45,8 @@ KVEVICT_HOST_DEVICE KVEVICT_REPRODUCIBLE inline double history_logit(const float
   double s[4] = {0.0, 0.0, 0.0, 0.0};
   std::int32_t i = 0;
   for (; i + 4 <= head_dim; i += 4)
-    for (std::int32_t j = 0; j < 4; ++j) s[j] = add(s[j], mul(double(q[i + j]), double(k[i + j])));
-  for (; i < head_dim; ++i) s[0] = add(s[0], mul(double(q[i]), double(k[i])));
+    for (std::int32_t j = 0; j < 4; ++j) s[j] = add(s[j], mul(double(to_float(q[(i + j) * q_stride])), double(k[i + j])));
+  for (; i < head_dim; ++i) s[0] = add(s[0], mul(double(to_float(q[i * q_stride])), double(k[i])));
   return mul(add(add(s[0], s[1]), add(s[2], s[3])), double(scale));
 }
 
@@ -134,15 +138,17 @@ inline std::size_t leave_one_out_work_size(std::int32_t rows, std::int32_t head_
   return std::size_t(rows) + 3 * std::size_t(head_dim);
 }
 
-/// errors[j] += E(members[j]) for query q, for the cached positions
-/// members[0, n) (distinct, each below `rows`) of a history of `rows` rows:
-/// keys and values are [rows][head_dim], row p holding position p, and
-/// cached[p] != 0 exactly for the members. work: leave_one_out_work_size
-/// doubles.
-KVEVICT_REPRODUCIBLE inline void leave_one_out_errors(const float* q, const float* keys, const float* values,
-                                                      std::int32_t head_dim, float scale, std::int32_t rows,
-                                                      const unsigned char* cached, const std::int32_t* members,
-                                                      std::int32_t n, double* errors, double* work) noexcept {
+/// errors[j] += E(members[j]) for query q (stride q_stride), for the cached
+/// positions members[0, n) (distinct, each below `rows`) of a history of
+/// `rows` rows: keys and values are [rows][head_dim], row p holding position
+/// p, and cached[p] != 0 exactly for the members. work:
+/// leave_one_out_work_size doubles.
+template <class Q>
+KVEVICT_REPRODUCIBLE inline void leave_one_out_errors(const Q* q, std::int64_t q_stride, const float* keys,
+                                                      const float* values, std::int32_t head_dim, float scale,
+                                                      std::int32_t rows, const unsigned char* cached,
+                                                      const std::int32_t* members, std::int32_t n, double* errors,
+                                                      double* work) noexcept {
   KVEVICT_FP_CONTRACT_OFF
   using detail::add;
   using detail::mul;
@@ -153,7 +159,7 @@ KVEVICT_REPRODUCIBLE inline void leave_one_out_errors(const float* q, const floa
   double* num_evicted = num_rest + head_dim;
   leave_one_out_frames f;
   for (std::int32_t p = 0; p < rows; ++p) {
-    logit[p] = history_logit(q, keys + std::size_t(p) * head_dim, head_dim, scale);
+    logit[p] = history_logit(q, q_stride, keys + std::size_t(p) * head_dim, head_dim, scale);
     detail::add_to_maxima(f, p, logit[p], cached[p] != 0);
   }
   for (std::int32_t i = 0; i < head_dim; ++i) num_cached[i] = num_rest[i] = num_evicted[i] = 0.0;

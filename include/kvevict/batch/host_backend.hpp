@@ -1,0 +1,269 @@
+#pragma once
+// The batched calls on the host: the same calls, state and semantics as the
+// CUDA launchers (kvevict/cuda/), over host memory. Engines that run on the
+// CPU use them directly; tests use them as the oracle the kernels must match
+// bit for bit. They loop over (sequence, head) and call the same
+// KVEVICT_HOST_DEVICE rules the kernels call (decode_rules.hpp, step.hpp,
+// score_sources.hpp, leave_one_out.hpp).
+//
+// Semantics (docs/semantics.md, "Batched steps"): arguments are checked
+// first and throw; data problems leave the (b, h) concerned unchanged, let
+// the rest of the batch step, and set the status word (status.hpp).
+#include <cstdint>
+#include <cstring>
+
+#include "kvevict/batch/inputs.hpp"
+#include "kvevict/batch/score_sources.hpp"
+#include "kvevict/batch/state.hpp"
+#include "kvevict/batch/status.hpp"
+#include "kvevict/batch/step.hpp"
+#include "kvevict/batch/validate.hpp"
+#include "kvevict/kv_view.hpp"
+#include "kvevict/policy/decode_rules.hpp"
+#include "kvevict/policy/leave_one_out.hpp"
+
+namespace kvevict {
+namespace detail {
+
+inline void record_status(std::uint64_t* status, std::uint64_t word) noexcept {
+  if (word < *status) *status = word;
+}
+
+/// Calls f(b) for every active sequence; reports list entries that are not
+/// sequence indices.
+template <class F>
+void for_each_active(const batch_state_view& st, const active_set& active, std::uint64_t* status, F f) {
+  const std::int32_t entries = active.entries(st.num_seqs());
+  for (std::int32_t i = 0; i < entries; ++i) {
+    const std::int32_t b = active.sequence(i, st.num_seqs());
+    if (b == -2) record_status(status, pack_status(i, 0, 0, batch_code::bad_sequence));
+    if (b >= 0) f(b);
+  }
+}
+
+/// The checks of append for sequence b: every head has a free slot and,
+/// with a cache, that slot is mapped. Returns the status word or clear.
+template <class Mapped>
+std::uint64_t append_problem(const batch_state_view& st, std::int32_t b, Mapped mapped) {
+  for (std::int32_t h = 0; h < st.num_heads(); ++h) {
+    const std::int32_t slot = st.slots.next_slots[st.head_index(b, h)];
+    if (slot < 0) return pack_status(b, h, 0, batch_code::no_free_slot);
+    if (!mapped(slot)) return pack_status(b, h, slot, batch_code::bad_page);
+  }
+  return batch_status_clear;
+}
+
+/// Observe + evict of one (b, h) for the score-based policies.
+template <class Source>
+std::uint64_t observe_evict_head(const batch_state_view& st, std::int32_t b, std::int32_t h, const Source& source,
+                                 std::int32_t& victim) {
+  const std::int64_t bh = st.head_index(b, h);
+  if (!st.appended[bh]) return pack_status(b, h, 0, batch_code::not_appended);
+  std::int32_t index = 0;
+  const batch_code head = source.check_head(b, h, index);
+  if (head != batch_code::ok) return pack_status(b, h, index, head);
+  const std::int32_t count = st.slots.counts[bh];  // occupied: exactly [0, count) after an append
+  const float* current = st.scores_of(b, h);
+  float* updated = st.spare_scores_of(b, h);
+  for (std::int32_t s = 0; s < count; ++s) {
+    const slot_increment inc = source.increment(b, h, s);
+    if (inc.code != batch_code::ok) return pack_status(b, h, s, inc.code);
+    const float score = detail::add(current[s], inc.value);
+    if (classify_input(score, false) != batch_code::ok) return pack_status(b, h, s, batch_code::score_overflow);
+    updated[s] = score;
+  }
+  victim = count > st.rule.budget
+               ? pick_victim(st.rule, st.slots.positions_of(b, h), updated, count, st.slots.lengths[b],
+                             st.streams ? st.streams[b] : std::uint64_t(b), h,
+                             st.victim_scratch ? st.victim_scratch + bh * st.capacity() : nullptr)
+               : -1;
+  return batch_status_clear;
+}
+
+/// Observe + evict of one (b, h) for exact_greedy: record the newest row in
+/// the history, score every cached slot with its leave-one-out error, evict
+/// the lowest (score, position).
+template <class Q, class T, class Layout>
+std::uint64_t exact_greedy_head(const batch_state_view& st, std::int32_t b, std::int32_t h,
+                                const batch_queries<Q>& in, const kv_view<T, Layout>& cache, std::int32_t& victim) {
+  const history_view& hv = st.history;
+  const std::int64_t bh = st.head_index(b, h);
+  const std::int32_t d = hv.head_dim, g = st.group_size(), length = st.slots.lengths[b];
+  if (!st.appended[bh]) return pack_status(b, h, 0, batch_code::not_appended);
+  if (length > hv.max_tokens) return pack_status(b, h, 0, batch_code::history_full);
+  if (hv.rows[bh] != length - 1) return pack_status(b, h, 0, batch_code::history_gap);
+  for (std::int32_t q = h * g; q < (h + 1) * g; ++q)
+    for (std::int32_t i = 0; i < d; ++i)
+      if (classify_input(to_float(in.q(b, q, i)), false) != batch_code::ok)
+        return pack_status(b, h, q, batch_code::non_finite_query);
+  const std::int32_t count = st.slots.counts[bh];
+  const std::int32_t* positions = st.slots.positions_of(b, h);
+  std::int32_t newest = 0;
+  while (positions[newest] != length - 1) ++newest;  // appended, so it is among [0, count)
+  if (!row_is_mapped(cache, b, newest)) return pack_status(b, h, newest, batch_code::bad_page);
+  float* keys = hv.keys + bh * hv.max_tokens * d;
+  float* values = hv.values + bh * hv.max_tokens * d;
+  for (std::int32_t i = 0; i < d; ++i) {
+    const float k = to_float(cache.k_row(b, h, newest)[i]), v = to_float(cache.v_row(b, h, newest)[i]);
+    if (classify_input(k, false) != batch_code::ok || classify_input(v, false) != batch_code::ok)
+      return pack_status(b, h, newest, batch_code::non_finite_kv);
+    keys[std::int64_t{length - 1} * d + i] = k;  // beyond rows: not part of the state until the commit
+    values[std::int64_t{length - 1} * d + i] = v;
+  }
+  std::uint8_t* cached = hv.cached + bh * hv.max_tokens;
+  double* work = hv.work + bh * hv.work_doubles();
+  double* errors = work + hv.work_doubles() - hv.capacity;
+  for (std::int32_t p = 0; p < length; ++p) cached[p] = 0;
+  for (std::int32_t s = 0; s < count; ++s) {
+    cached[positions[s]] = 1;
+    errors[s] = 0.0;
+  }
+  for (std::int32_t q = h * g; q < (h + 1) * g; ++q)
+    leave_one_out_errors(&in.q(b, q, 0), in.q.strides[2], keys, values, d, in.scale, length, cached, positions,
+                         count, errors, work);
+  float* updated = st.spare_scores_of(b, h);
+  for (std::int32_t s = 0; s < count; ++s) updated[s] = static_cast<float>(errors[s]);
+  victim = count > st.rule.budget
+               ? pick_victim(st.rule, positions, updated, count, length, std::uint64_t(b), h, nullptr)
+               : -1;
+  hv.rows[bh] = length;
+  return batch_status_clear;
+}
+
+template <class Head>
+void observe_evict_all(const batch_state_view& st, const active_set& active, std::int32_t* victims,
+                       std::uint64_t* status, Head head) {
+  for_each_active(st, active, status, [&](std::int32_t b) {
+    for (std::int32_t h = 0; h < st.num_heads(); ++h) {
+      std::int32_t victim = -1;
+      const std::uint64_t problem = head(b, h, victim);
+      if (problem == batch_status_clear) commit_observe_evict(st, b, h, victim);
+      else record_status(status, problem);
+      if (victims) victims[st.head_index(b, h)] = problem == batch_status_clear ? victim : -1;
+    }
+  });
+}
+
+}  // namespace detail
+
+/// Forgets the active sequences: every slot free, scores 0, length 0, no
+/// history. streams (if given): entry i's new random stream (at most
+/// max_random_stream); otherwise the sequence index.
+inline void reset_batch_sequences(const batch_state_view& st, const active_set& active,
+                                  const std::uint64_t* streams = nullptr) {
+  const detail::site w{"batch", "reset_sequences"};
+  detail::require_state(w, st);
+  detail::require_active(w, active, st.num_seqs());
+  const std::int32_t entries = active.entries(st.num_seqs());
+  for (std::int32_t i = 0; i < entries; ++i) {  // validate everything first: this call throws, it has no status
+    const std::int32_t b = active.sequence(i, st.num_seqs());
+    if (b == -2) detail::fail<out_of_range>(w, detail::concat("active.list[", i, "]"), "= ", active.list[i],
+                                            " is outside [0, num_seqs = ", st.num_seqs(), ")");
+    if (b >= 0 && streams && streams[i] > max_random_stream)
+      detail::fail<out_of_range>(w, detail::concat("streams[", i, "]"), "= ", streams[i], " exceeds max_random_stream");
+  }
+  for (std::int32_t i = 0; i < entries; ++i) {
+    const std::int32_t b = active.sequence(i, st.num_seqs());
+    if (b < 0) continue;
+    for (std::int32_t h = 0; h < st.num_heads(); ++h) {
+      detail::clear_head_slots(st, b, h, 0, st.capacity(), 1);
+      detail::clear_head_counters(st, b, h);
+    }
+    st.slots.lengths[b] = 0;
+    if (st.streams) st.streams[b] = streams ? streams[i] : std::uint64_t(b);
+  }
+}
+
+/// Initialises a state carved by make_batch_state in host memory.
+inline void init_batch_state(const batch_state_view& st) { reset_batch_sequences(st, active_set::all()); }
+
+/// Append (step 1 of the decode cycle) for every active sequence: its next
+/// position goes to each head's next slot with score 0. A sequence with a
+/// head at budget + 1 tokens is left unchanged (status no_free_slot).
+inline void batched_append(const batch_state_view& st, const active_set& active, std::uint64_t* status) {
+  const detail::site w{"batch", "append"};
+  detail::require_state(w, st);
+  detail::require_active(w, active, st.num_seqs());
+  detail::require_not_null(w, "status", status);
+  detail::for_each_active(st, active, status, [&](std::int32_t b) {
+    const std::uint64_t problem = detail::append_problem(st, b, [](std::int32_t) { return true; });
+    if (problem != batch_status_clear) return detail::record_status(status, problem);
+    for (std::int32_t h = 0; h < st.num_heads(); ++h) detail::commit_append(st, b, h, st.slots.lengths[b]);
+    ++st.slots.lengths[b];
+  });
+}
+
+/// Append fused with the scatter of the new K/V rows: k_new(b, h, :) and
+/// v_new(b, h, :) go to (b, h)'s next slot of `cache`.
+template <class T, class Layout>
+void batched_append(const batch_state_view& st, const active_set& active, const kv_view<T, Layout>& cache,
+                    const batch_rows<T>& k_new, const batch_rows<T>& v_new, std::uint64_t* status) {
+  const detail::site w{"batch", "append"};
+  detail::require_state(w, st);
+  detail::require_active(w, active, st.num_seqs());
+  detail::require_not_null(w, "status", status);
+  detail::require_cache(w, st, cache);
+  detail::require_rows(w, "k_new", st, k_new, cache);
+  detail::require_rows(w, "v_new", st, v_new, cache);
+  detail::for_each_active(st, active, status, [&](std::int32_t b) {
+    const std::uint64_t problem =
+        detail::append_problem(st, b, [&](std::int32_t slot) { return row_is_mapped(cache, b, slot); });
+    if (problem != batch_status_clear) return detail::record_status(status, problem);
+    for (std::int32_t h = 0; h < st.num_heads(); ++h) {
+      const std::int32_t slot = st.slots.next_slots[st.head_index(b, h)];
+      std::memcpy(cache.k_row(b, h, slot), &k_new.rows(b, h, 0), sizeof(T) * std::size_t(cache.head_dim));
+      std::memcpy(cache.v_row(b, h, slot), &v_new.rows(b, h, 0), sizeof(T) * std::size_t(cache.head_dim));
+      detail::commit_append(st, b, h, st.slots.lengths[b]);
+    }
+    ++st.slots.lengths[b];
+  });
+}
+
+/// Observe + evict, fused, for every active (b, h): adds each occupied
+/// slot's increment from `in` (batch_probs, batch_head_scores or
+/// batch_logits) and, above the budget, frees the policy's victim.
+/// victims (optional, [B][H]): the freed slot of each stepped (b, h), or -1.
+template <class Input>
+void batched_observe_evict(const batch_state_view& st, const active_set& active, const Input& in,
+                           std::int32_t* victims, std::uint64_t* status) {
+  const detail::site w{"batch", "observe_evict"};
+  detail::require_state(w, st);
+  detail::require_active(w, active, st.num_seqs());
+  detail::require_not_null(w, "status", status);
+  detail::require_input(w, st, in);
+  if (st.history.keys)
+    detail::fail<invalid_argument>(w, "in", "is not queries + LSE, which exact_greedy needs (with the cache)");
+  const score_source<Input> source{in, st.group_size(), st.rule.reduce};
+  detail::observe_evict_all(st, active, victims, status, [&](std::int32_t b, std::int32_t h, std::int32_t& victim) {
+    return detail::observe_evict_head(st, b, h, source, victim);
+  });
+}
+
+/// Observe + evict from queries + LSE, the logits recomputed from the keys
+/// of `cache`; for exact_greedy (a state with a history) the leave-one-out
+/// step, which also records the newest K/V rows.
+template <class Q, class T, class Layout>
+void batched_observe_evict(const batch_state_view& st, const active_set& active, const batch_queries<Q>& in,
+                           const kv_view<T, Layout>& cache, std::int32_t* victims, std::uint64_t* status) {
+  const detail::site w{"batch", "observe_evict"};
+  detail::require_state(w, st);
+  detail::require_active(w, active, st.num_seqs());
+  detail::require_not_null(w, "status", status);
+  detail::require_input(w, st, in, cache);
+  if (st.history.keys) {
+    detail::require_history(w, st);
+    if (cache.head_dim != st.history.head_dim)
+      detail::fail<invalid_argument>(w, "cache.head_dim", "= ", cache.head_dim, ", the history has ",
+                                     st.history.head_dim);
+    detail::observe_evict_all(st, active, victims, status, [&](std::int32_t b, std::int32_t h, std::int32_t& victim) {
+      return detail::exact_greedy_head(st, b, h, in, cache, victim);
+    });
+    return;
+  }
+  const query_source<Q, T, Layout> source{in, cache, st.group_size(), st.rule.reduce};
+  detail::observe_evict_all(st, active, victims, status, [&](std::int32_t b, std::int32_t h, std::int32_t& victim) {
+    return detail::observe_evict_head(st, b, h, source, victim);
+  });
+}
+
+}  // namespace kvevict

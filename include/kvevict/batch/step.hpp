@@ -1,0 +1,69 @@
+#pragma once
+// The state changes of a batched decode step for one (sequence, KV head), as
+// KVEVICT_HOST_DEVICE functions that the host backend and the CUDA kernels
+// both call once a (b, h) is known to be good (docs/semantics.md,
+// "Batched steps").
+#include <cstdint>
+
+#include "kvevict/batch/state.hpp"
+#include "kvevict/config.hpp"
+#include "kvevict/policy/decode_rules.hpp"
+
+namespace kvevict {
+namespace detail {
+
+/// Append, step 1 of the cycle: position `position` goes to (b, h)'s next
+/// slot with score 0. The caller checked next_slot >= 0 for every head of b
+/// and bumps lengths[b] once.
+KVEVICT_HOST_DEVICE inline void commit_append(const batch_state_view& st, std::int32_t b, std::int32_t h,
+                                              std::int32_t position) noexcept {
+  const std::int64_t bh = st.head_index(b, h);
+  const std::int32_t slot = st.slots.next_slots[bh];
+  st.slots.positions_of(b, h)[slot] = position;
+  st.scores_of(b, h)[slot] = 0.0f;
+  const std::int32_t count = ++st.slots.counts[bh];
+  st.slots.next_slots[bh] = next_slot_after_append(count, st.rule.budget);
+  st.appended[bh] = 1;
+}
+
+/// Observe + evict, the commit: the updated scores in the spare buffer
+/// become current, and `victim` (or none, -1) is freed; no K/V bytes move.
+KVEVICT_HOST_DEVICE inline void commit_observe_evict(const batch_state_view& st, std::int32_t b, std::int32_t h,
+                                                     std::int32_t victim) noexcept {
+  const std::int64_t bh = st.head_index(b, h);
+  st.score_buffer[bh] = static_cast<std::uint8_t>(1 - st.score_buffer[bh]);
+  st.appended[bh] = 0;
+  if (victim < 0) return;
+  st.slots.positions_of(b, h)[victim] = -1;
+  st.scores_of(b, h)[victim] = 0.0f;
+  --st.slots.counts[bh];
+  st.slots.next_slots[bh] = victim;
+}
+
+/// Forgets (b, h): every slot free with score 0 in both buffers, no history.
+/// One thread per call; kernels split slots across threads with the range
+/// [first, end).
+KVEVICT_HOST_DEVICE inline void clear_head_slots(const batch_state_view& st, std::int32_t b, std::int32_t h,
+                                                 std::int32_t first, std::int32_t end, std::int32_t step) noexcept {
+  std::int32_t* pos = st.slots.positions_of(b, h);
+  float* s0 = st.buffer_of(b, h, 0);
+  float* s1 = st.buffer_of(b, h, 1);
+  for (std::int32_t s = first; s < end; s += step) {
+    pos[s] = -1;
+    s0[s] = 0.0f;
+    s1[s] = 0.0f;
+  }
+}
+
+KVEVICT_HOST_DEVICE inline void clear_head_counters(const batch_state_view& st, std::int32_t b,
+                                                    std::int32_t h) noexcept {
+  const std::int64_t bh = st.head_index(b, h);
+  st.slots.counts[bh] = 0;
+  st.slots.next_slots[bh] = 0;
+  st.score_buffer[bh] = 0;
+  st.appended[bh] = 0;
+  if (st.history.rows) st.history.rows[bh] = 0;
+}
+
+}  // namespace detail
+}  // namespace kvevict

@@ -1,0 +1,120 @@
+#pragma once
+// The O(1) checks every batched call makes on the host before it touches
+// anything (on CUDA: before the launch): pointers, shapes, strides and
+// configuration. They throw the library's exceptions naming the argument.
+// What only the data can tell (NaN, page ids, a head with no free slot) is
+// checked per (b, h) by the call itself and reported in the status word.
+#include <cstdint>
+
+#include "kvevict/batch/inputs.hpp"
+#include "kvevict/batch/state.hpp"
+#include "kvevict/error.hpp"
+#include "kvevict/kv_view.hpp"
+#include "kvevict/policy/policy_shape.hpp"
+#include "kvevict/policy/score_increments.hpp"
+
+namespace kvevict {
+namespace detail {
+
+inline void require_state(const site& w, const batch_state_view& st) {
+  require_not_null(w, "state.slots.positions", st.slots.positions);
+  require_not_null(w, "state.slots.counts", st.slots.counts);
+  require_not_null(w, "state.slots.next_slots", st.slots.next_slots);
+  require_not_null(w, "state.slots.lengths", st.slots.lengths);
+  require_not_null(w, "state.scores", st.scores);
+  require_not_null(w, "state.score_buffer", st.score_buffer);
+  require_not_null(w, "state.appended", st.appended);
+  require_positive(w, "state.num_seqs", st.slots.num_seqs);
+  require_positive(w, "state.num_heads", st.slots.num_heads);
+  require_positive(w, "state.num_q_heads", st.num_q_heads);
+  if (st.num_q_heads % st.slots.num_heads != 0)
+    fail<invalid_argument>(w, "state.num_q_heads", "= ", st.num_q_heads, " is not a multiple of num_heads = ",
+                           st.slots.num_heads);
+  if (st.rule.budget < 1 || st.slots.capacity < std::int64_t{st.rule.budget} + 1)
+    fail<budget_error>(w, "state.rule.budget", "= ", st.rule.budget, " does not fit capacity ", st.slots.capacity);
+  if (st.rule.victim == victim_rule::random_rank) require_not_null(w, "state.streams", st.streams);
+}
+
+inline void require_history(const site& w, const batch_state_view& st) {
+  const history_view& hv = st.history;
+  require_not_null(w, "state.history.keys", hv.keys);
+  require_not_null(w, "state.history.values", hv.values);
+  require_not_null(w, "state.history.rows", hv.rows);
+  require_not_null(w, "state.history.cached", hv.cached);
+  require_not_null(w, "state.history.work", hv.work);
+  require_positive(w, "state.history.head_dim", hv.head_dim);
+  if (hv.max_tokens < st.slots.capacity || hv.capacity != st.slots.capacity)
+    fail<invalid_argument>(w, "state.history.max_tokens", "= ", hv.max_tokens, " does not match capacity ",
+                           st.slots.capacity);
+}
+
+inline void require_active(const site& w, const active_set& active, std::int32_t num_seqs) {
+  switch (active.mode) {
+    case active_set::kind::all: return;
+    case active_set::kind::flags: return require_not_null(w, "active.flags", active.flags);
+    case active_set::kind::list:
+      if (active.count < 0 || active.count > num_seqs)
+        fail<out_of_range>(w, "active.count", "= ", active.count, " is outside [0, num_seqs = ", num_seqs, "]");
+      if (active.count > 0) require_not_null(w, "active.list", active.list);
+      return;
+  }
+  fail<invalid_argument>(w, "active.mode", "= ", static_cast<int>(active.mode), " is not an active_set kind");
+}
+
+/// A [B][heads][>= width] (or exactly `width` when !at_least) view.
+template <class V>
+void require_batch_extents(const site& w, const char* arg, const V& view, const std::int32_t (&expected)[V::rank],
+                           bool last_at_least) {
+  bool at_least[V::rank] = {};
+  at_least[V::rank - 1] = last_at_least;
+  require_extents(w, arg, view, expected, at_least);
+}
+
+inline std::int32_t decode_width(const batch_state_view& st) { return st.rule.budget + 1; }
+
+inline void require_input(const site& w, const batch_state_view& st, const batch_probs& in) {
+  require_batch_extents(w, "probs", in.probs, {st.num_seqs(), st.num_q_heads, decode_width(st)}, true);
+}
+inline void require_input(const site& w, const batch_state_view& st, const batch_head_scores& in) {
+  require_batch_extents(w, "scores", in.scores, {st.num_seqs(), st.num_heads(), decode_width(st)}, true);
+}
+inline void require_input(const site& w, const batch_state_view& st, const batch_logits& in) {
+  require_batch_extents(w, "logits", in.logits, {st.num_seqs(), st.num_q_heads, decode_width(st)}, true);
+  require_batch_extents(w, "lse", in.lse, {st.num_seqs(), st.num_q_heads}, false);
+  require_scale(w, in.scale);
+  require_lse_base(w, "base", in.base);
+}
+
+/// A cache view that matches the state: same sequences and heads, at least
+/// its capacity, valid strides.
+template <class T, class Layout>
+void require_cache(const site& w, const batch_state_view& st, const kv_view<T, Layout>& cache) {
+  validate(w, cache);
+  if (cache.num_seqs != st.num_seqs())
+    fail<invalid_argument>(w, "cache.num_seqs", "= ", cache.num_seqs, ", the state has ", st.num_seqs());
+  if (cache.num_heads != st.num_heads())
+    fail<invalid_argument>(w, "cache.num_heads", "= ", cache.num_heads, ", the state has ", st.num_heads());
+  if (cache.capacity < st.capacity())
+    fail<invalid_argument>(w, "cache.capacity", "= ", cache.capacity, " is below the state's ", st.capacity());
+}
+
+template <class Q, class T, class Layout>
+void require_input(const site& w, const batch_state_view& st, const batch_queries<Q>& in,
+                   const kv_view<T, Layout>& cache) {
+  require_cache(w, st, cache);
+  require_batch_extents(w, "q", in.q, {st.num_seqs(), st.num_q_heads, cache.head_dim}, false);
+  require_batch_extents(w, "lse", in.lse, {st.num_seqs(), st.num_q_heads}, false);
+  require_scale(w, in.scale);
+  require_lse_base(w, "base", in.base);
+}
+
+template <class T, class Layout>
+void require_rows(const site& w, const char* arg, const batch_state_view& st, const batch_rows<T>& rows,
+                  const kv_view<T, Layout>& cache) {
+  require_batch_extents(w, arg, rows.rows, {st.num_seqs(), st.num_heads(), cache.head_dim}, false);
+  if (rows.rows.strides[2] != 1)
+    fail<invalid_argument>(w, concat(arg, ".strides[2]"), "= ", rows.rows.strides[2], ", rows must be contiguous");
+}
+
+}  // namespace detail
+}  // namespace kvevict
