@@ -41,18 +41,6 @@ void for_each_active(const batch_state_view& st, const active_set& active, std::
   }
 }
 
-/// The checks of append for sequence b: every head has a free slot and,
-/// with a cache, that slot is mapped. Returns the status word or clear.
-template <class Mapped>
-std::uint64_t append_problem(const batch_state_view& st, std::int32_t b, Mapped mapped) {
-  for (std::int32_t h = 0; h < st.num_heads(); ++h) {
-    const std::int32_t slot = st.slots.next_slots[st.head_index(b, h)];
-    if (slot < 0) return pack_status(b, h, 0, batch_code::no_free_slot);
-    if (!mapped(slot)) return pack_status(b, h, slot, batch_code::bad_page);
-  }
-  return batch_status_clear;
-}
-
 /// Observe + evict of one (b, h) for the score-based policies.
 template <class Source>
 std::uint64_t observe_evict_head(const batch_state_view& st, std::int32_t b, std::int32_t h, const Source& source,

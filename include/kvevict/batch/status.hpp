@@ -33,6 +33,7 @@ enum class batch_code : std::uint32_t {
   history_full = 11,         ///< exact_greedy: the sequence outgrew max_tokens
   history_gap = 12,          ///< exact_greedy: a step was appended but never observed
   not_appended = 13,         ///< observe + evict with no append since the last one
+  bad_stream = 14,           ///< CUDA reset: a random stream above max_random_stream
 };
 
 /// The value of a clear status word.
@@ -85,6 +86,7 @@ inline const char* describe(batch_code code) noexcept {
     case batch_code::history_full: return "the sequence outgrew the history's max_tokens";
     case batch_code::history_gap: return "a step was appended but never observed";
     case batch_code::not_appended: return "observe + evict without an append since the last one";
+    case batch_code::bad_stream: return "a random stream exceeds max_random_stream";
   }
   return "unknown status code";
 }
@@ -107,6 +109,7 @@ inline void throw_if_error(std::uint64_t word, const char* call = "batched call"
     case batch_code::non_finite_kv:
     case batch_code::score_overflow: detail::fail_state<non_finite_error>(where, at);
     case batch_code::bad_sequence:
+    case batch_code::bad_stream:
     case batch_code::bad_page: detail::fail_state<out_of_range>(where, at);
     case batch_code::no_free_slot:
     case batch_code::history_full:

@@ -6,11 +6,26 @@
 #include <cstdint>
 
 #include "kvevict/batch/state.hpp"
+#include "kvevict/batch/status.hpp"
 #include "kvevict/config.hpp"
 #include "kvevict/policy/decode_rules.hpp"
 
 namespace kvevict {
 namespace detail {
+
+/// The checks of append for sequence b: every head has a free slot and
+/// mapped(slot) holds for it (a paged cache's page id is in the pool).
+/// Returns the status word of the first problem, or batch_status_clear.
+KVEVICT_EXEC_CHECK_DISABLE
+template <class Mapped>
+KVEVICT_HOST_DEVICE std::uint64_t append_problem(const batch_state_view& st, std::int32_t b, Mapped mapped) noexcept {
+  for (std::int32_t h = 0; h < st.num_heads(); ++h) {
+    const std::int32_t slot = st.slots.next_slots[st.head_index(b, h)];
+    if (slot < 0) return pack_status(b, h, 0, batch_code::no_free_slot);
+    if (!mapped(slot)) return pack_status(b, h, slot, batch_code::bad_page);
+  }
+  return batch_status_clear;
+}
 
 /// Append, step 1 of the cycle: position `position` goes to (b, h)'s next
 /// slot with score 0. The caller checked next_slot >= 0 for every head of b

@@ -82,6 +82,7 @@ KVEVICT_HOST_DEVICE inline batch_code classify_input(float x, bool probability) 
 /// q in float: sum, mean (the sum divided by g) or max. Every value is
 /// checked first (finite; non-negative when `probabilities`). value() may
 /// throw: the host's checked paths validate the elements it sums.
+KVEVICT_EXEC_CHECK_DISABLE
 template <class Value>
 KVEVICT_HOST_DEVICE inline slot_increment fold_group(std::int32_t first_q, std::int32_t g, group_reduce reduce,
                                                      bool probabilities, Value value) {

@@ -1,0 +1,53 @@
+#pragma once
+// Small device-side pieces the batched kernels share: the status word's
+// atomic minimum, the active-set entry of a block, and row copies with
+// 16-byte vectors where alignment allows.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kvevict/batch/inputs.hpp"
+#include "kvevict/batch/status.hpp"
+
+namespace kvevict {
+namespace gpu {
+namespace detail {
+
+/// Threads per block of every batched kernel; the block primitives are
+/// specialised for it.
+inline constexpr int kBlockThreads = 256;
+
+__device__ inline void report(std::uint64_t* status, std::uint64_t word) {
+  if (status && word != batch_status_clear)
+    atomicMin(reinterpret_cast<unsigned long long*>(status), static_cast<unsigned long long>(word));
+}
+
+/// The sequence of active entry `entry`, -1 when inactive; reports a list
+/// entry that is not a sequence index (by thread 0 of the calling block, for
+/// head 0 only, so once).
+__device__ inline std::int32_t entry_sequence(const active_set& active, std::int32_t entry, std::int32_t num_seqs,
+                                              std::int32_t head, std::uint64_t* status) {
+  const std::int32_t b = active.sequence(entry, num_seqs);
+  if (b == -2 && head == 0 && threadIdx.x == 0) report(status, pack_status(entry, 0, 0, batch_code::bad_sequence));
+  return b;
+}
+
+/// Copies n elements of T from src to dst with threads [lane, lane + lanes,
+/// ...): 16-byte vectors when both rows are 16-byte aligned and n * sizeof(T)
+/// is a multiple of 16, elements otherwise.
+template <class T>
+__device__ inline void copy_row(T* dst, const T* src, std::int32_t n, std::int32_t lane, std::int32_t lanes) {
+  const bool vector = (reinterpret_cast<std::uintptr_t>(dst) % 16 == 0) &&
+                      (reinterpret_cast<std::uintptr_t>(src) % 16 == 0) && (n * sizeof(T)) % 16 == 0;
+  if (vector) {
+    const std::int32_t vectors = static_cast<std::int32_t>(n * sizeof(T) / 16);
+    for (std::int32_t i = lane; i < vectors; i += lanes)
+      reinterpret_cast<uint4*>(dst)[i] = reinterpret_cast<const uint4*>(src)[i];
+  } else {
+    for (std::int32_t i = lane; i < n; i += lanes) dst[i] = src[i];
+  }
+}
+
+}  // namespace detail
+}  // namespace gpu
+}  // namespace kvevict

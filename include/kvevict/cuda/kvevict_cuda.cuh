@@ -1,0 +1,13 @@
+#pragma once
+// Everything kvevict offers on CUDA (needs nvcc; host-only code includes
+// kvevict/kvevict.hpp instead). Link the CMake target kvevict::cuda.
+#include "kvevict/kvevict.hpp"
+
+#include "kvevict/cuda/append.cuh"
+#include "kvevict/cuda/batched_policy.cuh"
+#include "kvevict/cuda/block_select.cuh"
+#include "kvevict/cuda/device_helpers.cuh"
+#include "kvevict/cuda/error.cuh"
+#include "kvevict/cuda/exact_greedy.cuh"
+#include "kvevict/cuda/observe_evict.cuh"
+#include "kvevict/cuda/state.cuh"

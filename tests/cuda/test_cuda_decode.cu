@@ -1,0 +1,401 @@
+// CUDA decode step (append + observe + evict) against the host backend, which
+// test_batched_host holds to the per-sequence policies: h2o, recent_window
+// and random, every input kind x dtype x layout x GQA group {1, 4, 8}, ragged
+// batches with idle sequences and injected bad inputs. After every step the
+// device state, victims, status word and K/V bytes must equal the host's bit
+// for bit. Also: capacities up to 128K slots (and sizes that are not
+// multiples of the block), all-equal scores, state carved from misaligned
+// caller memory through the raw launchers, and a CUDA graph replayed against
+// eager launches. Compiling this file instantiates every decode kernel for
+// every dtype x layout x policy.
+#include <doctest/doctest.h>
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "kvevict/cuda/kvevict_cuda.cuh"
+#include "support/batch_streams.hpp"
+#include "support/caches.hpp"
+#include "cuda/device_mirror.cuh"
+
+namespace {
+
+using namespace kvevict;
+using kvtest::device_buffer;
+using kvtest::input_kind;
+using kvtest::layout_kind;
+
+template <class Policy>
+typename policy_traits<Policy>::config_type draw_config(std::mt19937& rng, std::int32_t& budget) {
+  auto pick = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
+  if constexpr (std::is_same_v<Policy, h2o_policy>) {
+    h2o_config c{pick(0, 6), pick(1, 6), static_cast<group_reduce>(pick(0, 2))};
+    budget = c.heavy + c.recent;
+    return c;
+  } else if constexpr (std::is_same_v<Policy, recent_window_policy>) {
+    recent_window_config c{pick(0, 3), pick(1, 8)};
+    budget = c.sinks + c.window;
+    return c;
+  } else {
+    random_config c{pick(2, 12), 0, 0, std::uint64_t(rng())};
+    c.sinks = pick(0, 2);
+    c.recent = pick(0, c.budget - 1 - c.sinks);
+    budget = c.budget;
+    return c;
+  }
+}
+
+/// The batched calls of the CUDA backend over caller memory at an odd
+/// offset, through the raw launchers (the owning class aligns its own).
+template <class Policy>
+class raw_device_policy {
+ public:
+  raw_device_policy(const policy_shape& shape, const typename policy_traits<Policy>::config_type& c)
+      : bytes_(batch_state_bytes<Policy>(shape, c)), memory_(bytes_ + 1), status_(1) {
+    state_ = make_batch_state<Policy>(memory_.get() + 1, bytes_, shape, c);
+    KVTEST_CUDA(gpu::init_batch_state(state_, nullptr));
+    KVTEST_CUDA(cudaMemset(status_.get(), 0xFF, 8));
+  }
+  const batch_state_view& state() const { return state_; }
+  template <class T, class Layout>
+  void append(const kv_view<T, Layout>& cache, const batch_rows<T>& k, const batch_rows<T>& v, const active_set& a) {
+    KVTEST_CUDA(gpu::batched_append(state_, a, cache, k, v, status_.get(), nullptr));
+  }
+  template <class Input>
+  void observe_evict(const Input& in, const active_set& a, std::int32_t* victims) {
+    KVTEST_CUDA(gpu::batched_observe_evict(state_, a, in, victims, status_.get(), nullptr));
+  }
+  template <class Q, class T, class Layout>
+  void observe_evict(const batch_queries<Q>& in, const kv_view<T, Layout>& cache, const active_set& a,
+                     std::int32_t* victims) {
+    KVTEST_CUDA(gpu::batched_observe_evict(state_, a, in, cache, victims, status_.get(), nullptr));
+  }
+  void reset(const active_set& a, const std::uint64_t* streams) {
+    KVTEST_CUDA(gpu::reset_batch_sequences(state_, a, streams, status_.get(), nullptr));
+  }
+  std::uint64_t status_word() const { return status_.download()[0]; }
+  void clear_status() { KVTEST_CUDA(cudaMemset(status_.get(), 0xFF, 8)); }
+
+ private:
+  std::size_t bytes_;
+  device_buffer<unsigned char> memory_;
+  device_buffer<std::uint64_t> status_;
+  batch_state_view state_;
+};
+
+/// The owning CUDA policy with the raw policy's test interface.
+template <class Policy>
+struct owning_device_policy : batched_policy<Policy, device::cuda> {
+  using batched_policy<Policy, device::cuda>::batched_policy;
+  void clear_status() {
+    try {
+      this->check();
+    } catch (const error&) {
+    }
+  }
+};
+
+/// One step's inputs in device memory.
+template <class T>
+struct device_step {
+  device_buffer<std::int32_t> list;
+  device_buffer<std::uint8_t> flags;
+  device_buffer<T> k_new, v_new;
+  device_buffer<float> probs, logits, increments, lse, q;
+
+  explicit device_step(const kvtest::batch_step<T>& st)
+      : list(st.list.empty() ? std::vector<std::int32_t>{-1} : st.list), flags(st.flags), k_new(st.k_new),
+        v_new(st.v_new), probs(st.probs), logits(st.logits), increments(st.increments), lse(st.lse), q(st.q) {}
+  active_set active(const kvtest::batch_step<T>& st) const {
+    return st.use_list ? active_set::of_list(list.get(), std::int32_t(st.list.size())) : active_set::of_flags(flags.get());
+  }
+};
+
+/// Feeds one observe + evict of kind `kind` to a policy p, from host or
+/// device buffers.
+template <class P, class View>
+void observe(P& p, input_kind kind, const kvtest::batch_dims& dm, const float* probs, const float* logits,
+             const float* increments, const float* lse, const float* q, float scale, const View& cache,
+             const active_set& active, std::int32_t* victims) {
+  const std::int32_t B = dm.seqs, Hq = dm.q_heads(), H = dm.heads, W = dm.width(), D = dm.head_dim;
+  const auto lse_view = make_tensor_view<const float>(lse, B, Hq);
+  switch (kind) {
+    case input_kind::probs: p.observe_evict(batch_probs{make_tensor_view<const float>(probs, B, Hq, W)}, active, victims); break;
+    case input_kind::head_scores:
+      p.observe_evict(batch_head_scores{make_tensor_view<const float>(increments, B, H, W)}, active, victims);
+      break;
+    case input_kind::logits:
+      p.observe_evict(batch_logits{make_tensor_view<const float>(logits, B, Hq, W), lse_view, scale}, active, victims);
+      break;
+    case input_kind::queries:
+      p.observe_evict(batch_queries<float>{make_tensor_view<const float>(q, B, Hq, D), lse_view, scale}, cache, active,
+                      victims);
+      break;
+  }
+}
+
+/// Spoils one input of one active (b, h) of the step: NaN, inf or a
+/// negative probability, in the input kind that is used.
+template <class T>
+void inject_bad_input(std::mt19937& rng, kvtest::batch_step<T>& st, const kvtest::batch_dims& dm, input_kind kind) {
+  std::vector<std::int32_t> active;
+  for (std::int32_t b = 0; b < dm.seqs; ++b)
+    if (st.active(b)) active.push_back(b);
+  if (active.empty()) return;
+  const std::int32_t b = active[rng() % active.size()], q = std::int32_t(rng() % std::uint32_t(dm.q_heads()));
+  const std::int32_t s = std::int32_t(rng() % std::uint32_t(dm.width()));
+  const float bad[3] = {std::nanf(""), INFINITY, -0.5f};
+  const float x = bad[rng() % 3];
+  switch (kind) {
+    case input_kind::probs: st.probs[(std::size_t(b) * dm.q_heads() + q) * dm.width() + s] = x; break;
+    case input_kind::head_scores:
+      st.increments[(std::size_t(b) * dm.heads + q / dm.group) * dm.width() + s] = std::isnan(x) ? x : 3e38f;
+      break;
+    case input_kind::logits:
+      if (rng() % 2) st.logits[(std::size_t(b) * dm.q_heads() + q) * dm.width() + s] = x;
+      else st.lse[std::size_t(b) * dm.q_heads() + q] = std::nanf("");
+      break;
+    case input_kind::queries: st.q[(std::size_t(b) * dm.q_heads() + q) * dm.head_dim] = std::nanf(""); break;
+  }
+}
+
+struct totals {
+  std::int64_t streams = 0, steps = 0, evictions = 0, bad_steps = 0;
+};
+
+template <class Policy, class T, class DevicePolicy>
+void run_stream(std::uint32_t seed, layout_kind layout, std::int32_t group, input_kind kind, bool equal_probs,
+                totals& tot) {
+  std::mt19937 rng(seed);
+  std::int32_t budget = 0;
+  const auto config = draw_config<Policy>(rng, budget);
+  kvtest::batch_dims dm;
+  dm.seqs = std::uniform_int_distribution<int>(1, 5)(rng);
+  dm.heads = std::uniform_int_distribution<int>(1, 3)(rng);
+  dm.group = group;
+  dm.head_dim = std::uniform_int_distribution<int>(0, 1)(rng) ? 16 : 24;
+  dm.capacity = budget + 1 + std::uniform_int_distribution<int>(0, 2)(rng);
+  const std::int32_t page = std::uniform_int_distribution<int>(1, 5)(rng);
+  const std::int32_t steps = std::uniform_int_distribution<int>(40, 100)(rng);
+  const policy_shape shape{dm.seqs, dm.heads, dm.q_heads(), dm.capacity};
+  batched_policy<Policy> ref(shape, config);
+  DevicePolicy dev(shape, config);
+  kvtest::host_state_mirror<Policy> mirror(shape, config);
+  const std::int32_t B = dm.seqs, H = dm.heads, D = dm.head_dim;
+  kvtest::with_cache<T>(layout, B, H, dm.capacity, D, page, [&](const auto& view) {
+    kvtest::device_cache dcache(view);
+    device_buffer<std::int32_t> victims(std::size_t(B) * H);
+    for (std::int32_t step = 0; step < steps; ++step) {
+      CAPTURE(step);
+      kvtest::batch_step<T> st = kvtest::draw_step<T>(rng, dm, 0.25);
+      if (equal_probs) std::fill(st.probs.begin(), st.probs.end(), 0.125f);
+      const bool bad = rng() % 20 == 0;
+      if (bad) inject_bad_input(rng, st, dm, kind);
+      tot.bad_steps += bad;
+      if constexpr (std::is_same_v<Policy, random_policy>) {
+        if (step == steps / 2) {  // a new request with its own stream on the first sequence
+          const std::int32_t zero = 0;
+          const std::uint64_t stream = 77 + seed;
+          ref.reset(active_set::of_list(&zero, 1), &stream);
+          const device_buffer<std::int32_t> dl(std::vector<std::int32_t>{0});
+          const device_buffer<std::uint64_t> ds(std::vector<std::uint64_t>{stream});
+          dev.reset(active_set::of_list(dl.get(), 1), ds.get());
+        }
+      }
+      const device_step<T> ds(st);
+      ref.append(view, batch_rows<T>{make_tensor_view<const T>(st.k_new.data(), B, H, D)},
+                 batch_rows<T>{make_tensor_view<const T>(st.v_new.data(), B, H, D)}, st.active_set());
+      dev.append(dcache.view, batch_rows<T>{make_tensor_view<const T>(ds.k_new.get(), B, H, D)},
+                 batch_rows<T>{make_tensor_view<const T>(ds.v_new.get(), B, H, D)}, ds.active(st));
+      std::vector<std::int32_t> want(std::size_t(B) * H, -7);
+      KVTEST_CUDA(cudaMemcpy(victims.get(), want.data(), want.size() * 4, cudaMemcpyHostToDevice));
+      observe(ref, kind, dm, st.probs.data(), st.logits.data(), st.increments.data(), st.lse.data(), st.q.data(),
+              st.scale, view, st.active_set(), want.data());
+      observe(dev, kind, dm, ds.probs.get(), ds.logits.get(), ds.increments.get(), ds.lse.get(), ds.q.get(), st.scale,
+              dcache.view, ds.active(st), victims.get());
+      CHECK(victims.download() == want);
+      const std::uint64_t want_status = ref.status_word(), got_status = dev.status_word();
+      CHECK(got_status == want_status);
+      if (!bad) REQUIRE(want_status == batch_status_clear);
+      if (want_status != batch_status_clear) {
+        try {
+          ref.check();
+        } catch (const error&) {
+        }
+        dev.clear_status();
+      }
+      mirror.read(dev.state());
+      kvtest::check_same_state(ref.state(), mirror.view);
+      CHECK(dcache.same_bytes_as(view));
+      for (std::int32_t x : want) tot.evictions += x >= 0;
+      ++tot.steps;
+    }
+  });
+  ++tot.streams;
+}
+
+template <class Policy>
+void run_policy(const char* name, int seeds_per_combo) {
+  totals tot;
+  std::uint32_t seed = 1;
+  for (input_kind kind : kvtest::all_inputs)
+    for (layout_kind layout : kvtest::all_layouts)
+      for (std::int32_t group : {1, 4, 8})
+        for (int i = 0; i < seeds_per_combo; ++i, ++seed) {
+          CAPTURE(seed);
+          CAPTURE(std::string(kvtest::name(kind)));
+          CAPTURE(std::string(kvtest::name(layout)));
+          CAPTURE(group);
+          const bool equal = seed % 7 == 0;
+          const bool raw = seed % 5 == 0;  // misaligned caller memory through the raw launchers
+          auto run = [&](auto tag) {
+            using T = decltype(tag);
+            if (raw) run_stream<Policy, T, raw_device_policy<Policy>>(seed, layout, group, kind, equal, tot);
+            else run_stream<Policy, T, owning_device_policy<Policy>>(seed, layout, group, kind, equal, tot);
+          };
+          switch (seed % 3) {
+            case 0: run(float{}); break;
+            case 1: run(kvevict::half{}); break;
+            default: run(kvevict::bfloat16{}); break;
+          }
+        }
+  MESSAGE(std::string(name), ": ", tot.streams, " streams, ", tot.steps, " steps (", tot.bad_steps,
+          " with a bad input), ", tot.evictions, " evictions compared");
+  CHECK(tot.evictions > 2000);
+}
+
+}  // namespace
+
+TEST_CASE("cuda h2o equals the host backend bit for bit") { run_policy<h2o_policy>("h2o", 2); }
+TEST_CASE("cuda recent_window equals the host backend bit for bit") {
+  run_policy<recent_window_policy>("recent_window", 1);
+}
+TEST_CASE("cuda random equals the host backend bit for bit, request streams included") {
+  run_policy<random_policy>("random", 2);
+}
+
+namespace {
+
+/// A full state with `count` = budget tokens at shuffled positions below
+/// `length` and random scores with ties, written on the host, copied to the
+/// device.
+template <class Policy>
+void fill_state(const batch_state_view& st, std::mt19937& rng, std::int32_t length) {
+  for (std::int32_t b = 0; b < st.num_seqs(); ++b) {
+    st.slots.lengths[b] = length;
+    for (std::int32_t h = 0; h < st.num_heads(); ++h) {
+      std::vector<std::int32_t> pos(static_cast<std::size_t>(length));
+      for (std::int32_t p = 0; p < length; ++p) pos[std::size_t(p)] = p;
+      std::shuffle(pos.begin(), pos.end() - 1, rng);  // keep the newest: nothing breaks the recent window
+      std::swap(pos[0], pos.back());
+      const std::int32_t count = st.rule.budget;
+      std::int32_t* slots = st.slots.positions_of(b, h);
+      for (std::int32_t s = 0; s < st.capacity(); ++s) {
+        slots[s] = s < count ? pos[std::size_t(s)] : -1;
+        st.scores_of(b, h)[s] = s < count ? float(rng() % 64) / 8.0f : 0.0f;
+      }
+      st.slots.counts[st.head_index(b, h)] = count;
+      st.slots.next_slots[st.head_index(b, h)] = count;
+    }
+  }
+}
+
+template <class Policy>
+void run_large(std::int32_t capacity, std::int32_t seqs, std::int32_t heads,
+               typename policy_traits<Policy>::config_type config) {
+  CAPTURE(capacity);
+  std::mt19937 rng{std::uint32_t(capacity)};
+  const policy_shape shape{seqs, heads, heads * 2, capacity};
+  batched_policy<Policy> ref(shape, config);
+  batched_policy<Policy, device::cuda> dev(shape, config);
+  fill_state<Policy>(ref.state(), rng, capacity + 5);
+  KVTEST_CUDA(gpu::copy_batch_state(dev.state(), ref.state(), cudaMemcpyHostToDevice, nullptr));
+  kvtest::host_state_mirror<Policy> mirror(shape, config);
+  const std::size_t n = std::size_t(seqs) * heads * 2 * capacity;
+  for (int step = 0; step < 4; ++step) {
+    std::vector<float> probs(n);
+    for (float& x : probs) x = float(rng() % 16) / 64.0f;  // many exact ties
+    const device_buffer<float> dprobs(probs);
+    ref.append();
+    dev.append();
+    ref.observe_evict(batch_probs{make_tensor_view<const float>(probs.data(), seqs, heads * 2, capacity)});
+    dev.observe_evict(batch_probs{make_tensor_view<const float>(dprobs.get(), seqs, heads * 2, capacity)});
+    REQUIRE(dev.status_word() == batch_status_clear);
+    mirror.read(dev.state());
+    kvtest::check_same_state(ref.state(), mirror.view);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("cuda: capacities from 2 to 128K slots, including sizes that are not multiples of the block") {
+  for (std::int32_t cap : {2, 3, 255, 256, 257, 1000, 4097, 32768, 100003, 131072}) {
+    run_large<h2o_policy>(cap, 2, 2, h2o_config{cap / 2, cap - 1 - cap / 2});
+    run_large<recent_window_policy>(cap, 1, 2, recent_window_config{cap > 8 ? 4 : 0, cap - 1 - (cap > 8 ? 4 : 0)});
+    run_large<random_policy>(cap, 2, 1, random_config{cap - 1, 0, cap > 4 ? 1 : 0, 5});
+  }
+}
+
+TEST_CASE("cuda: a captured graph of append + observe + evict replays to the eager result") {
+  const std::int32_t B = 4, H = 2, Hq = 8, cap = 33;
+  const policy_shape shape{B, H, Hq, cap};
+  const h2o_config config{16, 16};
+  batched_policy<h2o_policy, device::cuda> eager(shape, config), graphed(shape, config);
+  std::mt19937 rng(3);
+  device_buffer<float> probs(std::size_t(B) * Hq * cap);
+  const auto view = make_tensor_view<const float>(probs.get(), B, Hq, cap);
+  cudaStream_t stream;
+  KVTEST_CUDA(cudaStreamCreate(&stream));
+  cudaGraph_t graph;
+  KVTEST_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  graphed.append(active_set::all(), stream);
+  graphed.observe_evict(batch_probs{view}, active_set::all(), nullptr, stream);
+  KVTEST_CUDA(cudaStreamEndCapture(stream, &graph));
+  cudaGraphExec_t exec;
+  KVTEST_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  kvtest::host_state_mirror<h2o_policy> a(shape, config), b(shape, config);
+  for (int step = 0; step < 100; ++step) {
+    std::vector<float> p(probs.size());
+    for (float& x : p) x = float(rng() % 100) / 128.0f;
+    KVTEST_CUDA(cudaMemcpyAsync(probs.get(), p.data(), p.size() * 4, cudaMemcpyHostToDevice, stream));
+    KVTEST_CUDA(cudaStreamSynchronize(stream));  // p is a stack buffer
+    KVTEST_CUDA(cudaGraphLaunch(exec, stream));
+    eager.append(active_set::all(), stream);
+    eager.observe_evict(batch_probs{view}, active_set::all(), nullptr, stream);
+  }
+  KVTEST_CUDA(cudaStreamSynchronize(stream));
+  CHECK(graphed.status_word(stream) == batch_status_clear);
+  a.read(eager.state());
+  b.read(graphed.state());
+  kvtest::check_same_state(a.view, b.view);
+  CHECK(a.view.slots.lengths[0] == 100);
+  KVTEST_CUDA(cudaGraphExecDestroy(exec));
+  KVTEST_CUDA(cudaGraphDestroy(graph));
+  KVTEST_CUDA(cudaStreamDestroy(stream));
+}
+
+TEST_CASE("cuda: list entries outside the batch and heads without a free slot are reported like the host does") {
+  const policy_shape shape{3, 1, 1, 4};
+  batched_policy<h2o_policy> ref(shape, h2o_config{1, 2});
+  batched_policy<h2o_policy, device::cuda> dev(shape, h2o_config{1, 2});
+  const std::vector<std::int32_t> list = {2, 9, 0};
+  const device_buffer<std::int32_t> dlist(list);
+  for (int i = 0; i < 5; ++i) {  // the fifth append finds no free slot: evict never ran
+    ref.append(active_set::of_list(list.data(), 3));
+    dev.append(active_set::of_list(dlist.get(), 3));
+  }
+  CHECK(dev.status_word() == ref.status_word());
+  CHECK(batch_status::unpack(dev.status_word()).code == batch_code::bad_sequence);
+  kvtest::host_state_mirror<h2o_policy> mirror(shape, h2o_config{1, 2});
+  mirror.read(dev.state());
+  kvtest::check_same_state(ref.state(), mirror.view);
+  CHECK(mirror.view.slots.lengths[2] == 4);
+  CHECK_THROWS_AS(dev.check(), out_of_range);
+}
