@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -15,6 +16,14 @@
 #include "kvevict/cuda/kvevict_cuda.cuh"
 
 namespace kvtest {
+
+/// KVEVICT_TEST_QUICK=1 (the compute-sanitizer runs of scripts/gpu-check.sh):
+/// the stream tests run one combination in `stride`, so a run that is 10-100x
+/// slower still takes minutes.
+inline int quick_stride(int stride) {
+  const char* q = std::getenv("KVEVICT_TEST_QUICK");
+  return q && *q && *q != '0' ? stride : 1;
+}
 
 #define KVTEST_CUDA(call) REQUIRE_MESSAGE((call) == cudaSuccess, #call, ": ", cudaGetErrorString(cudaGetLastError()))
 

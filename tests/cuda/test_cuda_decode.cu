@@ -245,10 +245,12 @@ template <class Policy>
 void run_policy(const char* name, int seeds_per_combo) {
   totals tot;
   std::uint32_t seed = 1;
+  const int stride = kvtest::quick_stride(6);
   for (input_kind kind : kvtest::all_inputs)
     for (layout_kind layout : kvtest::all_layouts)
       for (std::int32_t group : {1, 4, 8})
         for (int i = 0; i < seeds_per_combo; ++i, ++seed) {
+          if (seed % stride != 0) continue;
           CAPTURE(seed);
           CAPTURE(std::string(kvtest::name(kind)));
           CAPTURE(std::string(kvtest::name(layout)));
@@ -268,7 +270,7 @@ void run_policy(const char* name, int seeds_per_combo) {
         }
   MESSAGE(std::string(name), ": ", tot.streams, " streams, ", tot.steps, " steps (", tot.bad_steps,
           " with a bad input), ", tot.evictions, " evictions compared");
-  CHECK(tot.evictions > 2000);
+  CHECK(tot.evictions > 2000 / stride);
 }
 
 }  // namespace

@@ -91,9 +91,11 @@ std::int64_t run_stream(std::uint32_t seed, layout_kind layout, std::int32_t gro
 TEST_CASE("cuda exact_greedy equals the host backend bit for bit") {
   std::int64_t streams = 0, evictions = 0;
   std::uint32_t seed = 1;
+  const int stride = kvtest::quick_stride(3);
   for (layout_kind layout : kvtest::all_layouts)
     for (std::int32_t group : {1, 4, 8})
       for (int i = 0; i < 3; ++i, ++seed, ++streams) {
+        if (seed % stride != 0) continue;
         CAPTURE(seed);
         CAPTURE(std::string(kvtest::name(layout)));
         CAPTURE(group);
@@ -104,5 +106,5 @@ TEST_CASE("cuda exact_greedy equals the host backend bit for bit") {
         }
       }
   MESSAGE(streams, " streams, ", evictions, " exact_greedy evictions compared");
-  CHECK(evictions > 500);
+  CHECK(evictions > 500 / stride);
 }
