@@ -21,7 +21,7 @@ using namespace kvevict;
 struct scenario {
   std::int32_t seqs, heads, slots, head_dim;
 };
-// DESIGN §10 S0 (the paper's FlexGen setting) and S5 (latency).
+// Scenarios S0 (the paper's FlexGen setting) and S5 (latency) of docs/benchmarks.md.
 constexpr scenario kS0{24, 32, 820, 128};
 constexpr scenario kS5{1, 8, 1024, 128};
 

@@ -1,4 +1,4 @@
-// The exact-greedy oracle (DESIGN §6) against a naive recomputation: for every
+// The exact-greedy oracle (docs/policies.md) against a naive recomputation: for every
 // candidate v, recompute the softmax output over G \ {v} from scratch
 // (O(|G|^2 * head_dim) per step) and compare it with attention over the
 // whole history. The library must evict the argmin, on random streams for

@@ -1,7 +1,8 @@
 // Tests for the eviction order (order.hpp) and the counter-based generator
 // behind the random policy (philox.hpp).
 //
-// The order is checked against a comparator written directly from DESIGN §5
+// The order is checked against a comparator written directly from
+// docs/semantics.md ("Order and ties")
 // with plain float comparisons; Philox4x32-10 against the Random123
 // known-answer vectors and against an independent transcription of the
 // round function from the paper.

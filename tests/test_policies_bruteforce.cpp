@@ -1,10 +1,10 @@
 // Every policy against a brute-force reference, step by step, on many seeded
 // random streams for every dtype x layout x GQA group size, with ragged
-// batches (DESIGN §10).
+// batches.
 //
 // The reference knows nothing about slots: per (sequence, KV head) it keeps a
 // map position -> (score, K row, V row) and re-selects the whole keep set
-// from scratch with the rule as DESIGN §6 states it. After every call the
+// from scratch with the rule as docs/policies.md states it. After every call the
 // library's slot table, scores and K/V bytes must equal the reference's.
 #include <doctest/doctest.h>
 

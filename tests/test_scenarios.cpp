@@ -1,5 +1,5 @@
-// Hand-worked scenarios (DESIGN §3-§7): every expected value below was derived
-// by hand from the rules in DESIGN.md, and the reasoning sits next to it. The
+// Hand-worked scenarios: every expected value below was derived by hand from
+// the rules in docs/semantics.md and docs/policies.md, and the reasoning sits next to it. The
 // library is only ever compared with those numbers, with an independent
 // computation written in the test (softmax in double), or with another policy
 // that the design says must behave identically.

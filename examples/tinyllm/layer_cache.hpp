@@ -1,7 +1,7 @@
 #pragma once
 // One transformer layer's KV cache under one kvevict policy: this is where
 // the engine embeds the library. Each decode step of a sequence runs the
-// cycle of DESIGN section 3: next slot, write K/V, attention that yields
+// cycle of docs/semantics.md: next slot, write K/V, attention that yields
 // probabilities, observe, evict.
 #include <algorithm>
 #include <cmath>

@@ -1,6 +1,7 @@
 #pragma once
 // Compaction: move the kept rows of one (sequence, KV head) to slots
-// [0, n) in the given order (DESIGN §3, prefill compression).
+// [0, n) in the given order (docs/semantics.md, "Decode cycle": prefill
+// compression).
 //
 // When the sources are strictly increasing (the prefill case: positions were
 // written in slot order and keep sets are sorted by position) row i comes from

@@ -1,6 +1,7 @@
 #pragma once
 // Layouts map (sequence b, KV head h, slot s) to the element offset where that
-// slot's head_dim-long row starts (DESIGN §7); the row itself is contiguous.
+// slot's head_dim-long row starts (docs/semantics.md, "Layouts"); the row
+// itself is contiguous.
 //
 // Like mdspan mappings they are small, trivially copyable values. BHSD (HND)
 // and BSHD (NHD) are both a strided_layout that differ only in their default

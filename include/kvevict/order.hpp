@@ -1,5 +1,6 @@
 #pragma once
-// The one total order behind every eviction and keep decision (DESIGN §5).
+// The one total order behind every eviction and keep decision
+// (docs/semantics.md, "Order and ties").
 //
 // Slots are ordered by the pair (score, position): lower score first, and
 // among equal scores the older token (smaller position) first. Victims are

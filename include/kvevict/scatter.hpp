@@ -1,6 +1,6 @@
 #pragma once
 // Scatter: write one new token's K and V rows into the slot each KV head
-// chose for it (DESIGN §3 step 2). Engines with their own append kernel do
+// chose for it (docs/semantics.md, decode cycle step 2). Engines with their own append kernel do
 // not need this; it exists so that a host engine or a test can run the whole
 // decode cycle with kvevict alone, for every dtype and layout.
 #include <algorithm>

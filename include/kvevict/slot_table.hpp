@@ -1,5 +1,5 @@
 #pragma once
-// The slot table (DESIGN §2): for every (sequence b, KV head h) the position
+// The slot table (docs/semantics.md, "Notation"): for every (sequence b, KV head h) the position
 // each slot holds (-1 when free) and the number of occupied slots, plus the
 // bookkeeping the decode cycle needs: the slot the next token goes to and the
 // number of tokens each sequence has seen.

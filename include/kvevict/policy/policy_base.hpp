@@ -40,7 +40,7 @@ class policy_base {
   const decode_rule& rule() const noexcept { return rule_; }
   const slot_table& slots() const noexcept { return slots_; }
 
-  /// Slot that sequence b's next token takes in KV head h (DESIGN §3 step 1),
+  /// Slot that sequence b's next token takes in KV head h (docs/semantics.md, step 1),
   /// or -1 while the sequence holds budget + 1 tokens (evict first).
   std::int32_t next_slot(std::int32_t b, std::int32_t h) const {
     require_head(where("next_slot"), b, h);
@@ -94,7 +94,7 @@ class policy_base {
     for (std::int32_t h = 0; h < shape_.num_kv_heads; ++h) std::fill_n(mutable_scores(b, h), shape_.capacity, 0.0f);
   }
 
-  /// Decode step (DESIGN §3 step 5): when sequence b holds more than budget
+  /// Decode step (step 6): when sequence b holds more than budget
   /// tokens, frees one victim slot per KV head; no K/V bytes move. Writes the
   /// victims' slots to victim_slots[h] (-1 when nothing was evicted) if given
   /// and returns the number of slots freed.
@@ -124,7 +124,7 @@ class policy_base {
     return heads;
   }
 
-  // ---- decode scores (DESIGN §4); call after attention, before evict ----
+  // ---- decode scores (docs/semantics.md, "Scores"); after attention, before evict ----
 
   /// Adds reduce over the group of probs(q, s) to every occupied slot.
   void observe(std::int32_t b, const decode_probs& in) {
@@ -205,7 +205,7 @@ class policy_base {
     commit_increments(w, b);
   }
 
-  // ---- prefill compression (DESIGN §3): prompt position p sits in slot p ----
+  // ---- prefill compression: prompt position p sits in slot p ----
 
   /// Scores the prompt from its causal probability matrix, keeps budget
   /// tokens per KV head and compacts them into slots [0, kept) of `view`.
