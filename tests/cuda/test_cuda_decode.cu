@@ -45,7 +45,7 @@ typename policy_traits<Policy>::config_type draw_config(std::mt19937& rng, std::
     return c;
   } else {
     random_config c{pick(2, 12), 0, 0, std::uint64_t(rng())};
-    c.sinks = pick(0, 2);
+    c.sinks = pick(0, std::min(2, c.budget - 1));
     c.recent = pick(0, c.budget - 1 - c.sinks);
     budget = c.budget;
     return c;
@@ -155,8 +155,8 @@ void inject_bad_input(std::mt19937& rng, kvtest::batch_step<T>& st, const kvtest
   const float x = bad[rng() % 3];
   switch (kind) {
     case input_kind::probs: st.probs[(std::size_t(b) * dm.q_heads() + q) * dm.width() + s] = x; break;
-    case input_kind::head_scores:
-      st.increments[(std::size_t(b) * dm.heads + q / dm.group) * dm.width() + s] = std::isnan(x) ? x : 3e38f;
+    case input_kind::head_scores:  // increments may be negative: NaN or an infinity
+      st.increments[(std::size_t(b) * dm.heads + q / dm.group) * dm.width() + s] = x < 0.0f ? -INFINITY : x;
       break;
     case input_kind::logits:
       if (rng() % 2) st.logits[(std::size_t(b) * dm.q_heads() + q) * dm.width() + s] = x;
@@ -224,12 +224,20 @@ void run_stream(std::uint32_t seed, layout_kind layout, std::int32_t group, inpu
       const std::uint64_t want_status = ref.status_word(), got_status = dev.status_word();
       CHECK(got_status == want_status);
       if (!bad) REQUIRE(want_status == batch_status_clear);
+      mirror.read(dev.state());
+      kvtest::check_same_state(ref.state(), mirror.view);
       if (want_status != batch_status_clear) {
+        // The spoiled (b, h) was left as it was: its sequence starts a new
+        // request on both devices, so the stream goes on with a clean state.
         try {
           ref.check();
         } catch (const error&) {
         }
         dev.clear_status();
+        const std::int32_t b = batch_status::unpack(want_status).sequence;
+        const device_buffer<std::int32_t> db(std::vector<std::int32_t>{b});
+        ref.reset(active_set::of_list(&b, 1));
+        dev.reset(active_set::of_list(db.get(), 1), nullptr);
       }
       mirror.read(dev.state());
       kvtest::check_same_state(ref.state(), mirror.view);
@@ -389,15 +397,24 @@ TEST_CASE("cuda: list entries outside the batch and heads without a free slot ar
   batched_policy<h2o_policy, device::cuda> dev(shape, h2o_config{1, 2});
   const std::vector<std::int32_t> list = {2, 9, 0};
   const device_buffer<std::int32_t> dlist(list);
-  for (int i = 0; i < 5; ++i) {  // the fifth append finds no free slot: evict never ran
-    ref.append(active_set::of_list(list.data(), 3));
-    dev.append(active_set::of_list(dlist.get(), 3));
+  ref.append(active_set::of_list(list.data(), 3));
+  dev.append(active_set::of_list(dlist.get(), 3));
+  CHECK(dev.status_word() == ref.status_word());
+  const batch_status bad = batch_status::unpack(dev.status_word());
+  CHECK(bad.code == batch_code::bad_sequence);
+  CHECK(bad.sequence == 1);  // the list entry
+  CHECK_THROWS_AS(dev.check(), out_of_range);
+  CHECK_THROWS_AS(ref.check(), out_of_range);
+  for (int i = 0; i < 4; ++i) {  // the fourth finds no free slot: evict never ran
+    ref.append(active_set::of_list(list.data(), 1));
+    dev.append(active_set::of_list(dlist.get(), 1));
   }
   CHECK(dev.status_word() == ref.status_word());
-  CHECK(batch_status::unpack(dev.status_word()).code == batch_code::bad_sequence);
+  CHECK(batch_status::unpack(dev.status_word()).code == batch_code::no_free_slot);
   kvtest::host_state_mirror<h2o_policy> mirror(shape, h2o_config{1, 2});
   mirror.read(dev.state());
   kvtest::check_same_state(ref.state(), mirror.view);
   CHECK(mirror.view.slots.lengths[2] == 4);
-  CHECK_THROWS_AS(dev.check(), out_of_range);
+  CHECK(mirror.view.slots.lengths[0] == 1);
+  CHECK_THROWS_AS(dev.check(), state_error);
 }

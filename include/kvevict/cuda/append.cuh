@@ -52,8 +52,10 @@ __global__ void __launch_bounds__(BlockThreads)
       if (r % 2 == 0) copy_row(cache.k_row(b, h, slot), &k_new(b, h, 0), cache.head_dim, lane, 32);
       else copy_row(cache.v_row(b, h, slot), &v_new(b, h, 0), cache.head_dim, lane, 32);
     }
-    __syncthreads();  // every row is read from next_slots before the commit moves them on
   }
+  // Every thread has read lengths[b] (and, scattering, next_slots) before
+  // the commit changes them.
+  __syncthreads();
   for (std::int32_t h = t; h < st.num_heads(); h += BlockThreads) kvevict::detail::commit_append(st, b, h, position);
   if (t == 0) st.slots.lengths[b] = position + 1;
 }

@@ -82,12 +82,13 @@ __global__ void __launch_bounds__(BlockThreads)
   for (std::int32_t s = t; s < count; s += BlockThreads)
     if (positions[s] == length - 1) newest = s;
   problem = reduce_words(temp.words).Reduce(problem, ::cuda::minimum<>{});
-  if (t == 0) shared_word = newest < 0 ? pack_status(b, h, 0, batch_code::history_gap) : problem;
+  __syncthreads();  // every thread's search for `newest` is done
+  if (t == 0)
+    shared_word = newest < 0                               ? pack_status(b, h, 0, batch_code::history_gap)
+                  : problem != batch_status_clear          ? problem
+                  : !row_is_mapped(cache, b, newest)       ? pack_status(b, h, newest, batch_code::bad_page)
+                                                           : batch_status_clear;
   __syncthreads();
-  if (shared_word == batch_status_clear && !row_is_mapped(cache, b, newest)) {
-    if (t == 0) shared_word = pack_status(b, h, newest, batch_code::bad_page);
-    __syncthreads();
-  }
   if (shared_word != batch_status_clear) {
     if (t == 0) {
       report(status, shared_word);
@@ -107,6 +108,7 @@ __global__ void __launch_bounds__(BlockThreads)
     values[std::int64_t{length - 1} * d + i] = v;
   }
   problem = reduce_words(temp.words).Reduce(problem, ::cuda::minimum<>{});
+  __syncthreads();  // everyone has read shared_word above before thread 0 rewrites it
   if (t == 0) shared_word = problem;
   __syncthreads();
   if (shared_word != batch_status_clear) {
@@ -213,6 +215,7 @@ __global__ void __launch_bounds__(BlockThreads)
   }
   if (count > st.rule.budget) {
     const unsigned long long lowest = reduce_words(temp.words).Reduce(best, ::cuda::minimum<>{});
+    __syncthreads();
     if (t == 0) shared_word = lowest;
     __syncthreads();
     if (best_slot >= 0 && best == shared_word) shared_victim = best_slot;

@@ -105,6 +105,7 @@ __global__ void __launch_bounds__(BlockThreads)
     }
   }
   problem = reduce_keys(temp.keys).Reduce(problem, ::cuda::minimum<>{});
+  __syncthreads();  // everyone has read shared_word above before thread 0 rewrites it
   if (t == 0) shared_word = problem;
   __syncthreads();
   if (shared_word != batch_status_clear) {
@@ -128,6 +129,7 @@ __global__ void __launch_bounds__(BlockThreads)
     } else {
       // Keys are distinct (positions are), so exactly one thread holds the minimum.
       const unsigned long long lowest = reduce_keys(temp.keys).Reduce(best, ::cuda::minimum<>{});
+      __syncthreads();
       if (t == 0) shared_word = lowest;
       __syncthreads();
       if (best_slot >= 0 && best == shared_word) shared_victim = best_slot;

@@ -24,7 +24,7 @@ __global__ void __launch_bounds__(BlockThreads)
   const std::int32_t entry = static_cast<std::int32_t>(blockIdx.x);
   const std::int32_t b = entry_sequence(active, entry, st.num_seqs(), 0, status);
   if (b < 0) return;
-  if (streams && st.streams && streams[entry] > max_random_stream) {
+  if (streams && streams[entry] > max_random_stream) {
     if (threadIdx.x == 0) report(status, pack_status(b, 0, entry, batch_code::bad_stream));
     return;
   }
@@ -55,8 +55,18 @@ inline cudaError_t reset_batch_sequences(const batch_state_view& st, const activ
   return cudaGetLastError();
 }
 
-/// Initialises a state carved by make_batch_state in device memory.
+/// Initialises a state carved by make_batch_state in device memory. The
+/// history rows are zeroed too: not needed by the kernels, but it makes every
+/// byte of the state defined, so copies of it are (compute-sanitizer's
+/// initcheck).
 inline cudaError_t init_batch_state(const batch_state_view& st, cudaStream_t stream) {
+  if (st.history.keys) {
+    const std::size_t bytes = std::size_t(st.num_seqs()) * st.num_heads() * std::size_t(st.history.max_tokens) *
+                              std::size_t(st.history.head_dim) * sizeof(float);
+    cudaError_t e = cudaMemsetAsync(st.history.keys, 0, bytes, stream);
+    if (e == cudaSuccess) e = cudaMemsetAsync(st.history.values, 0, bytes, stream);
+    if (e != cudaSuccess) return e;
+  }
   return reset_batch_sequences(st, active_set::all(), nullptr, nullptr, stream);
 }
 
