@@ -25,7 +25,11 @@ inline int quick_stride(int stride) {
   return q && *q && *q != '0' ? stride : 1;
 }
 
-#define KVTEST_CUDA(call) REQUIRE_MESSAGE((call) == cudaSuccess, #call, ": ", cudaGetErrorString(cudaGetLastError()))
+#define KVTEST_CUDA(call)                                                                \
+  do {                                                                                   \
+    const cudaError_t kvtest_err = (call);                                               \
+    REQUIRE_MESSAGE(kvtest_err == cudaSuccess, #call, ": ", cudaGetErrorString(kvtest_err)); \
+  } while (0)
 
 template <class T>
 class device_buffer {

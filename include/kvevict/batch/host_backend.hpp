@@ -80,24 +80,26 @@ std::uint64_t exact_greedy_head(const batch_state_view& st, std::int32_t b, std:
   if (!st.appended[bh]) return pack_status(b, h, 0, batch_code::not_appended);
   if (length > hv.max_tokens) return pack_status(b, h, 0, batch_code::history_full);
   if (hv.rows[bh] != length - 1) return pack_status(b, h, 0, batch_code::history_gap);
+  const std::int32_t count = st.slots.counts[bh];
+  const std::int32_t* positions = st.slots.positions_of(b, h);
+  std::int32_t newest = 0;
+  while (newest < count && positions[newest] != length - 1) ++newest;  // appended, so found
+  if (newest == count) return pack_status(b, h, 0, batch_code::history_gap);  // the kernel's order of checks
   for (std::int32_t q = h * g; q < (h + 1) * g; ++q)
     for (std::int32_t i = 0; i < d; ++i)
       if (classify_input(to_float(in.q(b, q, i)), false) != batch_code::ok)
         return pack_status(b, h, q, batch_code::non_finite_query);
-  const std::int32_t count = st.slots.counts[bh];
-  const std::int32_t* positions = st.slots.positions_of(b, h);
-  std::int32_t newest = 0;
-  while (positions[newest] != length - 1) ++newest;  // appended, so it is among [0, count)
   if (!row_is_mapped(cache, b, newest)) return pack_status(b, h, newest, batch_code::bad_page);
   float* keys = hv.keys + bh * hv.max_tokens * d;
   float* values = hv.values + bh * hv.max_tokens * d;
+  bool finite = true;  // the whole row is written either way, as the kernel does
   for (std::int32_t i = 0; i < d; ++i) {
     const float k = to_float(cache.k_row(b, h, newest)[i]), v = to_float(cache.v_row(b, h, newest)[i]);
-    if (classify_input(k, false) != batch_code::ok || classify_input(v, false) != batch_code::ok)
-      return pack_status(b, h, newest, batch_code::non_finite_kv);
+    if (classify_input(k, false) != batch_code::ok || classify_input(v, false) != batch_code::ok) finite = false;
     keys[std::int64_t{length - 1} * d + i] = k;  // beyond rows: not part of the state until the commit
     values[std::int64_t{length - 1} * d + i] = v;
   }
+  if (!finite) return pack_status(b, h, newest, batch_code::non_finite_kv);
   std::uint8_t* cached = hv.cached + bh * hv.max_tokens;
   double* work = hv.work + bh * hv.work_doubles();
   double* errors = work + hv.work_doubles() - hv.capacity;

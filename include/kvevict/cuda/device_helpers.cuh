@@ -17,6 +17,21 @@ namespace detail {
 /// specialised for it.
 inline constexpr int kBlockThreads = 256;
 
+/// Minimum and maximum for CUB reductions, with cuda::minimum / maximum's
+/// semantics; ours because those arrived only with CCCL 2.8 (CUDA 12.9).
+struct minimum_of {
+  template <class T>
+  __device__ T operator()(const T& a, const T& b) const {
+    return a < b ? a : b;
+  }
+};
+struct maximum_of {
+  template <class T>
+  __device__ T operator()(const T& a, const T& b) const {
+    return a < b ? b : a;
+  }
+};
+
 __device__ inline void report(std::uint64_t* status, std::uint64_t word) {
   if (status && word != batch_status_clear)
     atomicMin(reinterpret_cast<unsigned long long*>(status), static_cast<unsigned long long>(word));

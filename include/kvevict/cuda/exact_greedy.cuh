@@ -9,7 +9,6 @@
 // error by leave_one_out_error. So the scores, and the victims, are the
 // host's bit for bit. It is an oracle: clarity over speed.
 #include <cub/block/block_reduce.cuh>
-#include <cuda/functional>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -77,11 +76,11 @@ __global__ void __launch_bounds__(BlockThreads)
   for (std::int32_t i = t; i < g * d; i += BlockThreads) {
     const std::int32_t q = h * g + i / d;
     if (classify_input(to_float(in.q(b, q, i % d)), false) != batch_code::ok)
-      problem = ::cuda::minimum<>{}(problem, static_cast<unsigned long long>(pack_status(b, h, q, batch_code::non_finite_query)));
+      problem = minimum_of{}(problem, static_cast<unsigned long long>(pack_status(b, h, q, batch_code::non_finite_query)));
   }
   for (std::int32_t s = t; s < count; s += BlockThreads)
     if (positions[s] == length - 1) newest = s;
-  problem = reduce_words(temp.words).Reduce(problem, ::cuda::minimum<>{});
+  problem = reduce_words(temp.words).Reduce(problem, minimum_of{});
   __syncthreads();  // every thread's search for `newest` is done
   if (t == 0)
     shared_word = newest < 0                               ? pack_status(b, h, 0, batch_code::history_gap)
@@ -107,7 +106,7 @@ __global__ void __launch_bounds__(BlockThreads)
     keys[std::int64_t{length - 1} * d + i] = k;  // beyond rows: not state until the commit
     values[std::int64_t{length - 1} * d + i] = v;
   }
-  problem = reduce_words(temp.words).Reduce(problem, ::cuda::minimum<>{});
+  problem = reduce_words(temp.words).Reduce(problem, minimum_of{});
   __syncthreads();  // everyone has read shared_word above before thread 0 rewrites it
   if (t == 0) shared_word = problem;
   __syncthreads();
@@ -139,12 +138,12 @@ __global__ void __launch_bounds__(BlockThreads)
     double top = minus_inf, evicted = minus_inf;
     for (std::int32_t p = t; p < length; p += BlockThreads) {
       logit[p] = history_logit(query, in.q.strides[2], keys + std::int64_t{p} * d, d, in.scale);
-      if (cached[p]) top = ::cuda::maximum<>{}(top, logit[p]);
-      else evicted = ::cuda::maximum<>{}(evicted, logit[p]);
+      if (cached[p]) top = maximum_of{}(top, logit[p]);
+      else evicted = maximum_of{}(evicted, logit[p]);
     }
-    top = reduce_reals(temp.reals).Reduce(top, ::cuda::maximum<>{});
+    top = reduce_reals(temp.reals).Reduce(top, maximum_of{});
     __syncthreads();
-    evicted = reduce_reals(temp.reals).Reduce(evicted, ::cuda::maximum<>{});
+    evicted = reduce_reals(temp.reals).Reduce(evicted, maximum_of{});
     if (t == 0) {
       top_logit = top;
       evicted_logit = evicted;
@@ -153,13 +152,13 @@ __global__ void __launch_bounds__(BlockThreads)
     std::int32_t first = 0x7FFFFFFF;  // the oldest position holding the top logit
     for (std::int32_t p = t; p < length; p += BlockThreads)
       if (cached[p] && logit[p] == top_logit && p < first) first = p;
-    first = reduce_ints(temp.ints).Reduce(first, ::cuda::minimum<>{});
+    first = reduce_ints(temp.ints).Reduce(first, minimum_of{});
     if (t == 0) top_position = first;
     __syncthreads();
     double rest = minus_inf;
     for (std::int32_t p = t; p < length; p += BlockThreads)
-      if (cached[p] && p != top_position) rest = ::cuda::maximum<>{}(rest, logit[p]);
-    rest = reduce_reals(temp.reals).Reduce(rest, ::cuda::maximum<>{});
+      if (cached[p] && p != top_position) rest = maximum_of{}(rest, logit[p]);
+    rest = reduce_reals(temp.reals).Reduce(rest, maximum_of{});
     if (t == 0) rest_logit = rest;
     __syncthreads();
     for (std::int32_t p = t; p < length; p += BlockThreads) {
@@ -214,7 +213,7 @@ __global__ void __launch_bounds__(BlockThreads)
     }
   }
   if (count > st.rule.budget) {
-    const unsigned long long lowest = reduce_words(temp.words).Reduce(best, ::cuda::minimum<>{});
+    const unsigned long long lowest = reduce_words(temp.words).Reduce(best, minimum_of{});
     __syncthreads();
     if (t == 0) shared_word = lowest;
     __syncthreads();

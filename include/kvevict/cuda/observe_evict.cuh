@@ -10,7 +10,6 @@
 // batched_observe_evict on the host (kvevict/batch/host_backend.hpp): the
 // per-slot arithmetic is the same KVEVICT_HOST_DEVICE code.
 #include <cub/block/block_reduce.cuh>
-#include <cuda/functional>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -87,12 +86,12 @@ __global__ void __launch_bounds__(BlockThreads)
   for (std::int32_t s = t; s < count; s += BlockThreads) {
     const slot_increment inc = source.increment(b, h, s);
     if (inc.code != batch_code::ok) {
-      problem = ::cuda::minimum<>{}(problem, static_cast<unsigned long long>(pack_status(b, h, s, inc.code)));
+      problem = minimum_of{}(problem, static_cast<unsigned long long>(pack_status(b, h, s, inc.code)));
       continue;
     }
     const float score = kvevict::detail::add(current[s], inc.value);
     if (classify_input(score, false) != batch_code::ok) {
-      problem = ::cuda::minimum<>{}(problem, static_cast<unsigned long long>(pack_status(b, h, s, batch_code::score_overflow)));
+      problem = minimum_of{}(problem, static_cast<unsigned long long>(pack_status(b, h, s, batch_code::score_overflow)));
       continue;
     }
     updated[s] = score;
@@ -104,7 +103,7 @@ __global__ void __launch_bounds__(BlockThreads)
       best_slot = s;
     }
   }
-  problem = reduce_keys(temp.keys).Reduce(problem, ::cuda::minimum<>{});
+  problem = reduce_keys(temp.keys).Reduce(problem, minimum_of{});
   __syncthreads();  // everyone has read shared_word above before thread 0 rewrites it
   if (t == 0) shared_word = problem;
   __syncthreads();
@@ -128,7 +127,7 @@ __global__ void __launch_bounds__(BlockThreads)
       }
     } else {
       // Keys are distinct (positions are), so exactly one thread holds the minimum.
-      const unsigned long long lowest = reduce_keys(temp.keys).Reduce(best, ::cuda::minimum<>{});
+      const unsigned long long lowest = reduce_keys(temp.keys).Reduce(best, minimum_of{});
       __syncthreads();
       if (t == 0) shared_word = lowest;
       __syncthreads();
