@@ -324,6 +324,37 @@ TEST_CASE("batched status: a bad (b, h) is left unchanged, the rest of the batch
   }
 }
 
+TEST_CASE("batched status: retrying a refused head with corrected input equals a run that never failed") {
+  const std::int32_t B = 3, H = 2, cap = 5;
+  batched_policy<h2o_policy> failed(policy_shape{B, H, H, cap}, h2o_config{2, 2});
+  batched_policy<h2o_policy> clean(policy_shape{B, H, H, cap}, h2o_config{2, 2});
+  std::vector<float> probs(std::size_t(B) * H * cap);
+  const auto view = make_tensor_view<const float>(probs.data(), B, H, cap);
+  const std::int32_t one = 1;
+  for (int step = 0; step < 12; ++step) {
+    for (std::size_t i = 0; i < probs.size(); ++i) probs[i] = float((i * 7 + std::size_t(step) * 3) % 11) / 16.0f;
+    failed.append();
+    clean.append();
+    clean.observe_evict(batch_probs{view});
+    if (step == 6) {  // (1, 0) gets a NaN first, then the corrected row for sequence 1 alone
+      const float good = probs[std::size_t((1 * H + 0) * cap + 1)];
+      probs[std::size_t((1 * H + 0) * cap + 1)] = std::nanf("");
+      failed.observe_evict(batch_probs{view});
+      CHECK_THROWS_AS(failed.check(), non_finite_error);
+      probs[std::size_t((1 * H + 0) * cap + 1)] = good;
+      failed.observe_evict(batch_probs{view}, active_set::of_list(&one, 1));
+      CHECK(batch_status::unpack(failed.status_word()).code == batch_code::not_appended);  // (1, 1) had stepped
+      CHECK_THROWS_AS(failed.check(), state_error);
+    } else {
+      failed.observe_evict(batch_probs{view});
+    }
+    failed.check();
+    clean.check();
+    for (std::int32_t b = 0; b < B; ++b)
+      for (std::int32_t h = 0; h < H; ++h) CHECK(snapshot_of(failed.state(), b, h) == snapshot_of(clean.state(), b, h));
+  }
+}
+
 TEST_CASE("batched status: overflowing scores, bad pages in append, exact_greedy's history") {
   SUBCASE("a score that would overflow leaves the head unchanged") {
     batched_policy<h2o_policy> layer(policy_shape{1, 1, 1, 3}, h2o_config{1, 1});
