@@ -1,71 +1,113 @@
 """Redraws the figures in docs/img from the figures recorded in
 docs/benchmarks.md and README.md, and from the fidelity run in
 docs/data/fidelity.json (python3 docs/make_plots.py; needs matplotlib)."""
+import json
 import os
+
 import matplotlib
+
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import matplotlib.ticker
 
 here = os.path.dirname(os.path.abspath(__file__))
+plain = matplotlib.ticker.FuncFormatter(lambda y, _: f"{y:g}")
 
-# Host decode step, median of 5 (docs/benchmarks.md, 2026-11-20).
-scenarios = ["S5: 1x8x1024", "S0: 24x32x820"]
-kvevict = [147e3, 245e3]
-reference = [17.8e3, 10.9e3]
-fig, ax = plt.subplots(figsize=(6, 3.2))
-x = range(len(scenarios))
-ax.bar([i - 0.2 for i in x], kvevict, 0.4, label="kvevict h2o (no K/V moved)")
-ax.bar([i + 0.2 for i in x], reference, 0.4, label="reference real drop (top-k + sort + gather)")
-ax.set_xticks(list(x), scenarios)
-ax.set_ylabel("(sequence, head) steps / s")
-ax.set_title("Host decode step, bf16, head_dim 128")
-ax.legend(fontsize=8)
-fig.tight_layout()
-fig.savefig(os.path.join(here, "img", "host_decode.png"), dpi=120)
 
-# Demo defaults (README.md): attention kept and mean relative error at 20%.
-policies = ["h2o", "recent_window", "random", "exact_greedy"]
-kept = [79.2, 50.5, 39.1, 27.7]
-err = [0.299, 0.727, 0.802, 0.858]
-fig, (a, b) = plt.subplots(1, 2, figsize=(8, 3.2))
-a.bar(policies, kept, color="tab:green")
-a.set_ylabel("% of full-cache attention kept")
-b.bar(policies, err, color="tab:red")
+def save(fig, name):
+    fig.savefig(os.path.join(here, "img", name), dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+
+# Host decode step (docs/benchmarks.md), from scripts/bench_report.py's
+# summary: median over runs of each run's median, (sequence, head) steps per
+# second, log scale so every bar shows; the ratio is the median of the
+# per-run ratios to the reference.
+with open(os.path.join(here, "data", "host_decode.json")) as f:
+    bench = json.load(f)
+rows = [("BM_reference_realdrop_step", "reference real drop (top-k + sort + gather)", "tab:orange"),
+        ("BM_kvevict_h2o_step", "kvevict h2o, per-sequence API (no K/V moved)", "tab:blue"),
+        ("BM_kvevict_batched_h2o_step", "kvevict h2o, batched host API", "tab:cyan")]
+scenarios = bench["scenarios"]
+fig, ax = plt.subplots(figsize=(7, 3.8))
+width = 0.27
+top = 0
+for j, (key, label, color) in enumerate(rows):
+    xs, values = [], []
+    for i, sc in enumerate(scenarios):
+        v = sc["reference"] if key == "BM_reference_realdrop_step" else sc[key]["items_per_second"]["median"]
+        xs.append(i + (j - 1) * width)
+        values.append(v)
+        top = max(top, v)
+        if key != "BM_reference_realdrop_step":
+            ax.annotate(f"{sc[key]['ratio']['median']:.1f}x", (xs[-1], v * 2.2), ha="center", fontsize=8,
+                        weight="bold")
+    bars = ax.bar(xs, values, width, label=label, color=color)
+    ax.bar_label(bars, labels=[f"{v / 1e3:.0f}k" for v in values], fontsize=7, padding=1)
+ax.set_yscale("log")
+ax.set_ylim(min(sc["reference"] for sc in scenarios) / 3, top * 8)
+ax.yaxis.set_major_formatter(plain)
+ax.set_xticks(range(len(scenarios)), [f"{sc['label']}: {sc['shape']}" for sc in scenarios])
+ax.set_xlabel("scenario: sequences x KV heads x cached tokens")
+ax.set_ylabel("(sequence, head) steps / s (log scale)")
+ax.set_title(f"Host decode step, h2o, bf16 cache, head_dim 128 ({bench['date']}, median of {bench['runs']} runs)",
+             fontsize=9)
+ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=1, frameon=False)
+save(fig, "host_decode.png")
+
+# Demo defaults (README.md): attention kept and mean relative error at 20%,
+# with the full cache as the reference.
+policies = ["full", "h2o", "recent_window", "random", "exact_greedy"]
+kept = [100.0, 79.2, 50.5, 39.1, 27.7]
+err = [0.0, 0.299, 0.727, 0.802, 0.858]
+colors = ["tab:gray", "tab:blue", "tab:orange", "tab:red", "tab:purple"]
+fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.6))
+a.bar(policies, kept, color=colors)
+a.bar_label(a.containers[0], labels=[f"{v:.0f}%" for v in kept], fontsize=8)
+a.set_ylabel("% of the full cache's attention kept")
+a.set_ylim(0, 112)
+b.bar(policies, err, color=colors)
+b.bar_label(b.containers[0], labels=[f"{v:.2f}" for v in err], fontsize=8)
 b.set_ylabel("mean relative output error")
+b.set_ylim(0, max(err) * 1.15)
 for axis in (a, b):
+    axis.set_xlabel("policy (full cache: no eviction)")
     axis.tick_params(axis="x", labelrotation=20)
-fig.suptitle("Demo stream at a 20% KV budget")
+fig.suptitle("Demo stream at a 20% KV budget (4 sequences x 8 heads x ~2000 tokens, bf16)")
 fig.tight_layout()
-fig.savefig(os.path.join(here, "img", "demo_20pct.png"), dpi=120)
+save(fig, "demo_20pct.png")
 
 # Fidelity on SmolLM2-135M (docs/fidelity.md), from the run's JSON.
-import json
 with open(os.path.join(here, "data", "fidelity.json")) as f:
     run = json.load(f)
-rows = [r for r in run["results"] if r["policy"] != "full"]
-names = [p for p in ["h2o", "recent_window", "recent_only", "random", "exact_greedy"]
-         if any(r["policy"] == p for r in rows)]
-labels = {"h2o": "h2o (heavy + recent)", "recent_window": "recent window, 4 sinks",
-          "recent_only": "recent only, 0 sinks", "random": "random", "exact_greedy": "exact greedy (1-step oracle)"}
-fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
+rows = [r for r in run["results"] if r["policy"] not in ("full", "h2o_lse")]
+labels = {"h2o": "h2o (heavy + recent half)", "recent_window": "recent window, 4 sinks",
+          "recent_only": "recent only, 0 sinks", "random": "random, unprotected",
+          "random_protected": "random, 4 sinks + recent half",
+          "exact_greedy": "exact greedy (1-step oracle), unprotected",
+          "exact_greedy_protected": "exact greedy, 4 sinks + recent half"}
+styles = {"random_protected": "--", "exact_greedy_protected": "--"}
+names = [p for p in labels if any(r["policy"] == p for r in rows)]
+fig, (a, b) = plt.subplots(1, 2, figsize=(10.5, 4.0))
 for p in names:
     rs = sorted((r for r in rows if r["policy"] == p), key=lambda r: r["percent"])
     pct = [r["percent"] for r in rs]
-    a.plot(pct, [r["ppl_evicted"] / r["ppl_full_same_positions"] for r in rs], marker="o", label=labels[p])
-    b.plot(pct, [100 * r["top1_agreement"] for r in rs], marker="o", label=labels[p])
-a.axhline(1.0, color="black", lw=0.8, ls="--", label="full cache")
+    style = styles.get(p, "-")
+    a.plot(pct, [r["ppl_evicted"] / r["ppl_full_same_positions"] for r in rs], marker="o", ls=style, label=labels[p])
+    b.plot(pct, [100 * r["top1_agreement"] for r in rs], marker="o", ls=style, label=labels[p])
+a.axhline(1.0, color="black", lw=0.8, ls=":", label="full cache")
+b.axhline(100.0, color="black", lw=0.8, ls=":")
 a.set_yscale("log")
-plain = matplotlib.ticker.FuncFormatter(lambda y, _: f"{y:g}")
 a.yaxis.set_major_formatter(plain)
 a.yaxis.set_minor_formatter(plain)
-a.set_ylabel("perplexity / full-cache perplexity")
-b.set_ylabel("% top-1 agreement with full cache")
+a.set_ylabel("perplexity / full cache's (log scale)")
+b.set_ylabel("% top-1 agreement with the full cache")
 for axis in (a, b):
     axis.set_xlabel("KV budget, % of the window")
     axis.set_xticks(sorted({r["percent"] for r in rows}))
-a.legend(fontsize=7)
+handles, names_ = a.get_legend_handles_labels()
+fig.legend(handles, names_, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=3, frameon=False)
 fig.suptitle(f"SmolLM2-135M on Botchan: {run['windows']} windows x {run['window']} tokens, "
              "positions after the first eviction")
 fig.tight_layout()
-fig.savefig(os.path.join(here, "img", "fidelity.png"), dpi=120)
+save(fig, "fidelity.png")
