@@ -6,7 +6,7 @@ median items/s with the spread across runs, and per scenario the ratio of each
 kvevict row to the reference computed within each run (same binary, same
 moment), so machine load cancels as far as it can.
 
-  python3 scripts/bench_report.py build-bench/run-*.json [--json docs/data/host_decode.json]
+  python3 scripts/bench_report.py build-bench/bench-host-run*.json [--json docs/data/host_decode.json]
 
 Prints a Markdown table; --json also writes the summary docs/make_plots.py reads.
 """
@@ -66,7 +66,6 @@ def main():
             print(f"| {s} | {SHAPES[s]} | kvevict {label} | {speed['median'] / 1e3:.1f} k "
                   f"[{speed['min'] / 1e3:.1f} - {speed['max'] / 1e3:.1f}] | {ratio['median']:.1f}x "
                   f"[{ratio['min']:.1f} - {ratio['max']:.1f}] |")
-        entry["kvevict"] = entry.get("BM_kvevict_h2o_step", {}).get("items_per_second", {}).get("median")
         summary["scenarios"].append(entry)
     if args.json:
         with open(args.json, "w") as f:
