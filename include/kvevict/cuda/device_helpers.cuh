@@ -37,6 +37,13 @@ __device__ inline void report(std::uint64_t* status, std::uint64_t word) {
     atomicMin(reinterpret_cast<unsigned long long*>(status), static_cast<unsigned long long>(word));
 }
 
+/// Thread 0: a problem leaves head `bh` unchanged; it is reported and its
+/// victim is -1.
+__device__ inline void give_up(std::int64_t bh, std::uint64_t word, std::int32_t* victims, std::uint64_t* status) {
+  report(status, word);
+  if (victims) victims[bh] = -1;
+}
+
 /// The sequence of active entry `entry`, -1 when inactive; reports a list
 /// entry that is not a sequence index (by thread 0 of the calling block, for
 /// head 0 only, so once).

@@ -65,10 +65,7 @@ __global__ void __launch_bounds__(BlockThreads)
   }
   __syncthreads();
   if (shared_word != batch_status_clear) {
-    if (t == 0) {
-      report(status, shared_word);
-      if (victims) victims[bh] = -1;
-    }
+    if (t == 0) give_up(bh, shared_word, victims, status);
     return;
   }
   // The host's order of checks: the queries, then the newest K/V row.
@@ -89,10 +86,7 @@ __global__ void __launch_bounds__(BlockThreads)
                                                            : batch_status_clear;
   __syncthreads();
   if (shared_word != batch_status_clear) {
-    if (t == 0) {
-      report(status, shared_word);
-      if (victims) victims[bh] = -1;
-    }
+    if (t == 0) give_up(bh, shared_word, victims, status);
     return;
   }
   const std::int32_t slot = newest;
@@ -111,10 +105,7 @@ __global__ void __launch_bounds__(BlockThreads)
   if (t == 0) shared_word = problem;
   __syncthreads();
   if (shared_word != batch_status_clear) {
-    if (t == 0) {
-      report(status, shared_word);
-      if (victims) victims[bh] = -1;
-    }
+    if (t == 0) give_up(bh, shared_word, victims, status);
     return;
   }
 

@@ -38,13 +38,6 @@ __device__ inline std::int32_t block_head(const batch_state_view& st, const acti
   return entry_sequence(active, entry, st.num_seqs(), h, status);
 }
 
-/// Thread 0: a problem leaves (b, h) unchanged; it is reported and its victim is -1.
-__device__ inline void give_up(const batch_state_view& st, std::int32_t b, std::int32_t h, std::uint64_t word,
-                               std::int32_t* victims, std::uint64_t* status) {
-  report(status, word);
-  if (victims) victims[st.head_index(b, h)] = -1;
-}
-
 template <int BlockThreads, victim_rule Rule, class Source>
 __global__ void __launch_bounds__(BlockThreads)
     observe_evict_kernel(batch_state_view st, active_set active, Source source, std::int32_t* victims,
@@ -73,7 +66,7 @@ __global__ void __launch_bounds__(BlockThreads)
   }
   __syncthreads();
   if (shared_word != batch_status_clear) {
-    if (t == 0) give_up(st, b, h, shared_word, victims, status);
+    if (t == 0) give_up(bh, shared_word, victims, status);
     return;
   }
 
@@ -108,7 +101,7 @@ __global__ void __launch_bounds__(BlockThreads)
   if (t == 0) shared_word = problem;
   __syncthreads();
   if (shared_word != batch_status_clear) {
-    if (t == 0) give_up(st, b, h, shared_word, victims, status);
+    if (t == 0) give_up(bh, shared_word, victims, status);
     return;
   }
 
