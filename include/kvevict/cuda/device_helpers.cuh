@@ -2,6 +2,7 @@
 // Small device-side pieces the batched kernels share: the status word's
 // atomic minimum, the active-set entry of a block, and row copies with
 // 16-byte vectors where alignment allows.
+#include <cub/block/block_reduce.cuh>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -35,6 +36,23 @@ struct maximum_of {
 __device__ inline void report(std::uint64_t* status, std::uint64_t word) {
   if (status && word != batch_status_clear)
     atomicMin(reinterpret_cast<unsigned long long*>(status), static_cast<unsigned long long>(word));
+}
+
+/// The victim of a block whose threads each hold their lowest (score,
+/// position) key and its slot: keys are distinct (positions are), so exactly
+/// one thread holds the block's minimum, and it writes its slot to `victim`.
+/// Every thread calls it; `shared_word` is scratch; ends before a barrier the
+/// caller places.
+template <int BlockThreads>
+__device__ inline void publish_lowest_key(typename cub::BlockReduce<unsigned long long, BlockThreads>::TempStorage& temp,
+                                          unsigned long long best, std::int32_t best_slot,
+                                          unsigned long long& shared_word, std::int32_t& victim) {
+  const unsigned long long lowest =
+      cub::BlockReduce<unsigned long long, BlockThreads>(temp).Reduce(best, minimum_of{});
+  __syncthreads();  // every thread has read shared_word before thread 0 rewrites it
+  if (threadIdx.x == 0) shared_word = lowest;
+  __syncthreads();
+  if (best_slot >= 0 && best == shared_word) victim = best_slot;
 }
 
 /// Thread 0: a problem leaves head `bh` unchanged; it is reported and its

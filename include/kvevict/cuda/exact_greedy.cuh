@@ -204,11 +204,7 @@ __global__ void __launch_bounds__(BlockThreads)
     }
   }
   if (count > st.rule.budget) {
-    const unsigned long long lowest = reduce_words(temp.words).Reduce(best, minimum_of{});
-    __syncthreads();
-    if (t == 0) shared_word = lowest;
-    __syncthreads();
-    if (best_slot >= 0 && best == shared_word) shared_victim = best_slot;
+    publish_lowest_key<BlockThreads>(temp.words, best, best_slot, shared_word, shared_victim);
   }
   __syncthreads();
   if (t == 0) {

@@ -119,12 +119,7 @@ __global__ void __launch_bounds__(BlockThreads)
           if (positions[s] == static_cast<std::int32_t>(position)) shared_victim = s;
       }
     } else {
-      // Keys are distinct (positions are), so exactly one thread holds the minimum.
-      const unsigned long long lowest = reduce_keys(temp.keys).Reduce(best, minimum_of{});
-      __syncthreads();
-      if (t == 0) shared_word = lowest;
-      __syncthreads();
-      if (best_slot >= 0 && best == shared_word) shared_victim = best_slot;
+      publish_lowest_key<BlockThreads>(temp.keys, best, best_slot, shared_word, shared_victim);
     }
   }
   __syncthreads();
