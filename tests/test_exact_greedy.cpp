@@ -201,27 +201,44 @@ TEST_CASE("leave-one-out errors meet the stated bound against the definition in 
   MESSAGE("largest |error - reference| / bound among the sharp checks: ", worst);
 }
 
-TEST_CASE("regression: a dominant token does not hide the cheapest eviction") {
-  // head_dim 2, budget 2, recent 0, scale 1. Keys (0,80), (0,40), (0,0), (0,0);
-  // values (0,0), (1,1), (0,0), (0,0); queries (1,0) for three tokens, then (0,1).
-  // Steps 1-3: equal logits; at length 3 positions 0 and 2 tie (error 1/18,
-  // position 1 costs 2/9), so the older, 0, goes. Length 4: G = {1, 2, 3},
-  // history logits 80, 40, 0, 0. Evicting 1 leaves out({2, 3}) = 0 against
-  // out(H) = (e^-40 / Z)(1, 1), Z = 1 + e^-40 + 2 e^-80: error 2 e^-80 / Z^2,
-  // about 3.6e-35. Evicting 2 or 3 leaves about v_1 = (1, 1): error about 2.
-  exact_greedy_config config;
-  config.budget = 2;
-  exact_greedy_policy pol(policy_shape{1, 1, 1, 3}, config);
-  auto cache = make_bhsd_cache<float>(1, 1, 3, 2);
-  const auto view = cache.view();
-  const float keys[4][2] = {{0, 80}, {0, 40}, {0, 0}, {0, 0}};
-  const float values[4][2] = {{0, 0}, {1, 1}, {0, 0}, {0, 0}};
-  for (std::int32_t t = 0; t < 4; ++t) {
+namespace {
+
+// The issue's repro, shared by the two regression tests below: head_dim 2,
+// budget 2, recent 0, scale 1. Keys (0,80), (0,40), (0,0), (0,0); values
+// (0,0), (1,1), (0,0), (0,0); queries (1,0) for three tokens, then (0,1).
+struct dominant_token_repro {
+  exact_greedy_policy pol{policy_shape{1, 1, 1, 3}, [] {
+                            exact_greedy_config c;
+                            c.budget = 2;
+                            return c;
+                          }()};
+  kv_cache<float, strided_layout> cache = make_bhsd_cache<float>(1, 1, 3, 2);
+
+  /// Scatter, append and observe token t (0..3); evict is the caller's.
+  void append_observe(std::int32_t t) {
+    static const float keys[4][2] = {{0, 80}, {0, 40}, {0, 0}, {0, 0}};
+    static const float values[4][2] = {{0, 0}, {1, 1}, {0, 0}, {0, 0}};
+    const auto view = cache.view();
     const std::int32_t slot = pol.next_slot(0, 0);
     scatter(view, 0, &slot, make_tensor_view<const float>(keys[t], 1, 2), make_tensor_view<const float>(values[t], 1, 2));
     pol.append(0);
     const float q[2] = {t < 3 ? 1.0f : 0.0f, t < 3 ? 0.0f : 1.0f};
     pol.observe(0, decode_queries<float>{make_tensor_view<const float>(q, 1, 2), {}, 1.0f}, view);
+  }
+};
+
+}  // namespace
+
+TEST_CASE("regression: a dominant token does not hide the cheapest eviction") {
+  // Steps 1-3: equal logits; at length 3 positions 0 and 2 tie (error 1/18,
+  // position 1 costs 2/9), so the older, 0, goes. Length 4: G = {1, 2, 3},
+  // history logits 80, 40, 0, 0. Evicting 1 leaves out({2, 3}) = 0 against
+  // out(H) = (e^-40 / Z)(1, 1), Z = 1 + e^-40 + 2 e^-80: error 2 e^-80 / Z^2,
+  // about 3.6e-35. Evicting 2 or 3 leaves about v_1 = (1, 1): error about 2.
+  dominant_token_repro r;
+  exact_greedy_policy& pol = r.pol;
+  for (std::int32_t t = 0; t < 4; ++t) {
+    r.append_observe(t);
     std::int32_t victim = -1;
     pol.evict(0, &victim);
     if (t == 2) {
@@ -240,19 +257,10 @@ TEST_CASE("regression: a dominant token does not hide the cheapest eviction") {
 
 TEST_CASE("regression: the dominant token's own error is finite and exact") {
   // The score of the position the repro above evicts, read before evict.
-  exact_greedy_config config;
-  config.budget = 2;
-  exact_greedy_policy pol(policy_shape{1, 1, 1, 3}, config);
-  auto cache = make_bhsd_cache<float>(1, 1, 3, 2);
-  const auto view = cache.view();
-  const float keys[4][2] = {{0, 80}, {0, 40}, {0, 0}, {0, 0}};
-  const float values[4][2] = {{0, 0}, {1, 1}, {0, 0}, {0, 0}};
+  dominant_token_repro r;
+  exact_greedy_policy& pol = r.pol;
   for (std::int32_t t = 0; t < 4; ++t) {
-    const std::int32_t slot = pol.next_slot(0, 0);
-    scatter(view, 0, &slot, make_tensor_view<const float>(keys[t], 1, 2), make_tensor_view<const float>(values[t], 1, 2));
-    pol.append(0);
-    const float q[2] = {t < 3 ? 1.0f : 0.0f, t < 3 ? 0.0f : 1.0f};
-    pol.observe(0, decode_queries<float>{make_tensor_view<const float>(q, 1, 2), {}, 1.0f}, view);
+    r.append_observe(t);
     if (t < 3) {
       pol.evict(0);
       continue;
