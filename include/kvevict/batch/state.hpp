@@ -60,7 +60,7 @@ struct batch_state_view {
   std::uint8_t* score_buffer = nullptr;  ///< [B][H]: the buffer (0 or 1) holding (b, h)'s scores
   std::uint8_t* appended = nullptr;      ///< [B][H]: 1 after an append, 0 after observe + evict
   std::uint64_t* streams = nullptr;      ///< [B]: random's request streams (null for other policies)
-  std::int32_t* victim_scratch = nullptr;  ///< [B][H][capacity]: random's candidates on the host (scratch)
+  std::int32_t* victim_scratch = nullptr;  ///< [B][H][capacity] scratch: random's candidates, evict_to's holes
   history_view history;                  ///< exact_greedy only (null pointers otherwise)
   decode_rule rule;
   std::int32_t num_q_heads = 0;
@@ -132,10 +132,8 @@ batch_state_view carve_state(void* memory, const policy_shape& shape, const deco
   v.scores = c.take<float>(2 * slots);
   v.score_buffer = c.take<std::uint8_t>(heads);
   v.appended = c.take<std::uint8_t>(heads);
-  if (policy_traits<Policy>::has_streams) {
-    v.streams = c.take<std::uint64_t>(shape.num_seqs);
-    v.victim_scratch = c.take<std::int32_t>(slots);
-  }
+  if (policy_traits<Policy>::has_streams) v.streams = c.take<std::uint64_t>(shape.num_seqs);
+  v.victim_scratch = c.take<std::int32_t>(slots);
   if (policy_traits<Policy>::has_history) {
     history_view& hv = v.history;
     hv.max_tokens = history.max_tokens;
@@ -173,7 +171,7 @@ std::size_t batch_state_bytes(const policy_shape& shape, const typename policy_t
   const detail::site w{policy_traits<Policy>::name, "batch_state_bytes"};
   const decode_rule rule = policy_traits<Policy>::rule(config, "batch_state_bytes");
   detail::validate_shape(w, shape, rule.budget);
-  // The status word packs (sequence, head, slot) into 20, 12 and 28 bits.
+  // The status word packs (sequence, head, slot) into 20, 12 and 26 bits.
   if (shape.num_seqs > batch_status_limits::max_seqs)
     detail::fail<out_of_range>(w, "shape.num_seqs", "= ", shape.num_seqs, " exceeds ", batch_status_limits::max_seqs);
   if (shape.num_kv_heads > batch_status_limits::max_heads || shape.num_q_heads > batch_status_limits::max_heads)

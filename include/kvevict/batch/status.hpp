@@ -34,23 +34,28 @@ enum class batch_code : std::uint32_t {
   history_gap = 12,          ///< exact_greedy: a step was appended but never observed
   not_appended = 13,         ///< observe + evict with no append since the last one
   bad_stream = 14,           ///< CUDA reset: a random stream above max_random_stream
+  bad_count = 15,            ///< a selection's k, or evict_to's target, outside what segment `index` allows
+  not_empty = 16,            ///< prefill of a sequence that already holds tokens (reset it first)
+  bad_length = 17,           ///< a prompt length outside [1, capacity] (index: the length)
+  over_capacity = 18,        ///< appending `index` tokens would exceed the capacity
+  not_observed = 19,         ///< evict_to after an append with no observe + evict since
 };
 
 /// The value of a clear status word.
 inline constexpr std::uint64_t batch_status_clear = ~std::uint64_t{0};
 
 /// Field widths of the packed word, most significant first:
-/// sequence 20 bits, head 12, index 28, code 4.
+/// sequence 20 bits, head 12, index 26, code 6.
 struct batch_status_limits {
   static constexpr std::int64_t max_seqs = std::int64_t{1} << 20;
   static constexpr std::int64_t max_heads = std::int64_t{1} << 12;
-  static constexpr std::int64_t max_index = std::int64_t{1} << 28;
+  static constexpr std::int64_t max_index = std::int64_t{1} << 26;
 };
 
 KVEVICT_HOST_DEVICE inline std::uint64_t pack_status(std::int32_t b, std::int32_t h, std::int32_t index,
                                                      batch_code code) noexcept {
   return (std::uint64_t(std::uint32_t(b)) << 44) | (std::uint64_t(std::uint32_t(h) & 0xFFFu) << 32) |
-         (std::uint64_t(std::uint32_t(index) & 0xFFFFFFFu) << 4) | std::uint64_t(code);
+         (std::uint64_t(std::uint32_t(index) & 0x3FFFFFFu) << 6) | std::uint64_t(code);
 }
 
 /// An unpacked status word.
@@ -61,8 +66,8 @@ struct batch_status {
   static batch_status unpack(std::uint64_t word) noexcept {
     batch_status s;
     if (word == batch_status_clear) return s;
-    s.code = static_cast<batch_code>(word & 0xFu);
-    s.index = static_cast<std::int32_t>((word >> 4) & 0xFFFFFFFu);
+    s.code = static_cast<batch_code>(word & 0x3Fu);
+    s.index = static_cast<std::int32_t>((word >> 6) & 0x3FFFFFFu);
     s.head = static_cast<std::int32_t>((word >> 32) & 0xFFFu);
     s.sequence = static_cast<std::int32_t>(word >> 44);
     return s;
@@ -87,6 +92,11 @@ inline const char* describe(batch_code code) noexcept {
     case batch_code::history_gap: return "a step was appended but never observed";
     case batch_code::not_appended: return "observe + evict without an append since the last one";
     case batch_code::bad_stream: return "a random stream exceeds max_random_stream";
+    case batch_code::bad_count: return "a selection count or evict_to target does not fit the segment";
+    case batch_code::not_empty: return "prefill of a sequence that already holds tokens (reset it first)";
+    case batch_code::bad_length: return "a prompt length is outside [1, capacity]";
+    case batch_code::over_capacity: return "appending these tokens would exceed the capacity";
+    case batch_code::not_observed: return "evict_to after an append that was not observed";
   }
   return "unknown status code";
 }
@@ -110,8 +120,13 @@ inline void throw_if_error(std::uint64_t word, const char* call = "batched call"
     case batch_code::score_overflow: detail::fail_state<non_finite_error>(where, at);
     case batch_code::bad_sequence:
     case batch_code::bad_stream:
+    case batch_code::bad_count:
+    case batch_code::bad_length:
     case batch_code::bad_page: detail::fail_state<out_of_range>(where, at);
     case batch_code::no_free_slot:
+    case batch_code::not_empty:
+    case batch_code::over_capacity:
+    case batch_code::not_observed:
     case batch_code::history_full:
     case batch_code::history_gap:
     case batch_code::not_appended: detail::fail_state<state_error>(where, at);
