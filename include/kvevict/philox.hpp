@@ -59,13 +59,18 @@ inline constexpr std::uint64_t max_random_stream = (std::uint64_t{1} << 63) - 1;
 /// The 32-bit draw of the random policy under `seed` for request stream
 /// `stream` (at most max_random_stream; by default the sequence index), KV
 /// head `head` and `index`: the position of the newest token for a decode
-/// eviction, or the candidate's position for prefill selection. Counter:
-/// {index, stream bits 0-31, head, use | stream bits 32-62 << 1}; key: seed.
+/// eviction, or the candidate's position for prefill selection. `round`
+/// numbers the victims of one evict_to call (0 is the single eviction's
+/// draw). Counter: {index, stream bits 0-31, head ^ round << 16, use |
+/// stream bits 32-62 << 1}; key: seed. Rounds share the counter's third word
+/// with heads: draws stay distinct while heads < 65536 and rounds < 65536,
+/// and beyond that they repeat (still valid draws, no longer independent).
 KVEVICT_HOST_DEVICE inline std::uint32_t random_draw(std::uint64_t seed, random_use use, std::uint64_t stream,
-                                                     std::int32_t head, std::int32_t index) noexcept {
+                                                     std::int32_t head, std::int32_t index,
+                                                     std::int32_t round = 0) noexcept {
   const philox4x32_key key{{static_cast<std::uint32_t>(seed), static_cast<std::uint32_t>(seed >> 32)}};
   const philox4x32_counter ctr{{static_cast<std::uint32_t>(index), static_cast<std::uint32_t>(stream),
-                                static_cast<std::uint32_t>(head),
+                                static_cast<std::uint32_t>(head) ^ (static_cast<std::uint32_t>(round) << 16),
                                 static_cast<std::uint32_t>(use) | static_cast<std::uint32_t>(stream >> 32) << 1}};
   return philox4x32_10(ctr, key).v[0];
 }

@@ -145,10 +145,12 @@ KVEVICT_HOST_DEVICE KVEVICT_REPRODUCIBLE inline float attention_logit(const Q* q
 
 /// The rank, in position order among the `candidates` unprotected tokens,
 /// of the random policy's victim for KV head h when the newest token of the
-/// request `stream` has position length - 1.
+/// request `stream` has position length - 1; `round` numbers the victims of
+/// one evict_to call (round 0 is evict's victim).
 KVEVICT_HOST_DEVICE inline std::int32_t random_victim_rank(std::uint64_t seed, std::uint64_t stream, std::int32_t h,
-                                                           std::int32_t length, std::int32_t candidates) noexcept {
-  const std::uint32_t draw = random_draw(seed, random_use::decode_victim, stream, h, length - 1);
+                                                           std::int32_t length, std::int32_t candidates,
+                                                           std::int32_t round = 0) noexcept {
+  const std::uint32_t draw = random_draw(seed, random_use::decode_victim, stream, h, length - 1, round);
   return static_cast<std::int32_t>(uniform_index(draw, static_cast<std::uint32_t>(candidates)));
 }
 

@@ -59,6 +59,7 @@ class exact_greedy_policy : public policy_base<exact_greedy_policy> {
         hist_k_(std::size_t(shape.num_seqs) * shape.num_kv_heads),
         hist_v_(hist_k_.size()),
         observed_(std::size_t(shape.num_seqs), 0),
+        last_append_(std::size_t(shape.num_seqs), 0),
         members_(std::size_t(shape.capacity)),
         member_slots_(std::size_t(shape.capacity)),
         errors_(std::size_t(shape.capacity)) {}
@@ -77,17 +78,21 @@ class exact_greedy_policy : public policy_base<exact_greedy_policy> {
     require_head_dim(w, view.head_dim);
     require_decode_queries(w, in, view.head_dim);
     const std::int32_t len = slots_.length(b);
+    // The tokens of the last append call (one, or several after a
+    // multi-token append) join the history now; any earlier unobserved token
+    // means a step went unobserved. Each is still cached: eviction needs an
+    // observe first.
     for (std::int32_t h = 0; h < shape_.num_kv_heads; ++h) {
       const std::int32_t rows = history_length(b, h);
-      if (rows < len - 1)
+      if (rows < last_append_[std::size_t(b)])
         detail::fail_state<state_error>(w, "sequence ", b, " has ", len, " tokens but only ", rows,
                                         " were observed; observe must run every step");
-      if (rows == len - 1) require_finite_row(w, view, b, h, slots_.slot_of(b, h, len - 1));
+      for (std::int32_t p = rows; p < len; ++p) require_finite_row(w, view, b, h, slots_.slot_of(b, h, p));
     }
     head_dim_ = view.head_dim;
     for (std::int32_t h = 0; h < shape_.num_kv_heads; ++h)
-      if (history_length(b, h) == len - 1) record(view, b, h, len - 1, slots_.slot_of(b, h, len - 1));
-    load_queries(in.q);
+      for (std::int32_t p = history_length(b, h); p < len; ++p) record(view, b, h, p, slots_.slot_of(b, h, p));
+    load_queries(b, in.q);
     scale_ = in.scale;
     for (std::int32_t h = 0; h < shape_.num_kv_heads; ++h) evaluate(b, h);
     observed_[std::size_t(b)] = len;
@@ -110,7 +115,7 @@ class exact_greedy_policy : public policy_base<exact_greedy_policy> {
     head_dim_ = view.head_dim;
     for (std::int32_t h = 0; h < shape_.num_kv_heads; ++h)
       for (std::int32_t p = 0; p < length; ++p) record(view, b, h, p, p);
-    load_queries(last_row.q);
+    load_queries(b, last_row.q);
     scale_ = last_row.scale;
     std::fill(scratch_.begin(), scratch_.end(), 0.0f);
     const prefill_result result = commit_prefill(w, b, length, &view);
@@ -119,6 +124,27 @@ class exact_greedy_policy : public policy_base<exact_greedy_policy> {
   }
 
   /// policy_base::evict hook: the scores must be those of this step.
+  /// append and the multi-token append of policy_base, remembering where
+  /// the step's tokens start (observe records them all).
+  std::int32_t append(std::int32_t b) { return note_append(b, policy_base::append(b)); }
+  std::int32_t append(std::int32_t b, std::int32_t tokens, std::int32_t* slots) {
+    return note_append(b, policy_base::append(b, tokens, slots));
+  }
+
+  /// evict_to, greedily: one victim at a time, the leave-one-out errors of
+  /// the tokens left recomputed (with the last observed queries) before each
+  /// further victim. The first victim is evict's.
+  std::int32_t free_surplus(std::int32_t b, std::int32_t h, std::int32_t target) {
+    const std::int32_t surplus = slots_.count(b, h) - target;
+    for (std::int32_t round = 0; round < surplus; ++round) {
+      if (round > 0) evaluate(b, h);
+      const std::int32_t s = choose_victim(b, h);  // target >= sinks + recent: one exists
+      slots_.positions_of(b, h)[s] = -1;
+      mutable_scores(b, h)[s] = 0.0f;
+    }
+    return std::max(surplus, 0);
+  }
+
   void check_evict(const detail::site& w, std::int32_t b) const {
     if (observed_[std::size_t(b)] != slots_.length(b))
       detail::fail_state<state_error>(w, "sequence ", b, " was not observed since its last append");
@@ -131,6 +157,7 @@ class exact_greedy_policy : public policy_base<exact_greedy_policy> {
       hist_v_[std::size_t(head_index(b, h))].clear();
     }
     observed_[std::size_t(b)] = 0;
+    last_append_[std::size_t(b)] = 0;
   }
 
   /// Rows of (b, h)'s history: every position it has seen.
@@ -172,6 +199,11 @@ class exact_greedy_policy : public policy_base<exact_greedy_policy> {
   }
 
  private:
+  std::int32_t note_append(std::int32_t b, std::int32_t first) {
+    last_append_[std::size_t(b)] = first;
+    return first;
+  }
+
   void require_head_dim(const detail::site& w, std::int32_t head_dim) const {
     if (head_dim_ != 0 && head_dim != head_dim_)
       detail::fail<invalid_argument>(w, "view.head_dim", "= ", head_dim, ", the history has ", head_dim_);
@@ -205,10 +237,13 @@ class exact_greedy_policy : public policy_base<exact_greedy_policy> {
   }
 
   template <class Q>
-  void load_queries(const tensor_view<const Q, 2>& q) {
-    queries_.resize(std::size_t(shape_.num_q_heads) * head_dim_);
+  void load_queries(std::int32_t b, const tensor_view<const Q, 2>& q) {
+    queries_.resize(std::size_t(shape_.num_seqs) * shape_.num_q_heads * head_dim_);
     for (std::int32_t i = 0; i < shape_.num_q_heads; ++i)
-      for (std::int32_t d = 0; d < head_dim_; ++d) queries_[std::size_t(i) * head_dim_ + d] = to_float(q(i, d));
+      for (std::int32_t d = 0; d < head_dim_; ++d) queries_[query_offset(b, i) + d] = to_float(q(i, d));
+  }
+  std::size_t query_offset(std::int32_t b, std::int32_t q) const noexcept {
+    return (std::size_t(b) * shape_.num_q_heads + q) * head_dim_;
   }
 
   /// Scratch for a history of `rows` rows (the oracle allocates as it grows).
@@ -224,7 +259,7 @@ class exact_greedy_policy : public policy_base<exact_greedy_policy> {
     const std::int32_t g = shape_.group_size();
     std::fill_n(errors_.begin(), n, 0.0);
     for (std::int32_t j = 0; j < g; ++j)
-      leave_one_out_errors(queries_.data() + std::size_t(h * g + j) * head_dim_, 1, history_keys(b, h),
+      leave_one_out_errors(queries_.data() + query_offset(b, h * g + j), 1, history_keys(b, h),
                            history_values(b, h), head_dim_, scale_, rows, cached_.data(), members, n, errors_.data(),
                            work_.data());
   }
@@ -251,7 +286,8 @@ class exact_greedy_policy : public policy_base<exact_greedy_policy> {
   exact_greedy_config config_;
   std::vector<std::vector<float>> hist_k_, hist_v_;  // [B * Hkv][position][head_dim]
   std::vector<std::int32_t> observed_;               // length at the last observe, per sequence
-  std::vector<float> queries_;                       // [Hq][head_dim]
+  std::vector<std::int32_t> last_append_;            // first position of the last append call, per sequence
+  std::vector<float> queries_;                       // [B][Hq][head_dim]: each sequence's last query rows
   std::vector<std::int32_t> members_, member_slots_;  // cached positions of one (b, h) and their slots
   mutable std::vector<double> errors_, work_;         // [capacity] errors, leave-one-out scratch
   mutable std::vector<unsigned char> cached_;         // [history rows] 1 for the cached positions

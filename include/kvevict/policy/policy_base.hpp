@@ -24,6 +24,7 @@
 #include "kvevict/kv_view.hpp"
 #include "kvevict/order.hpp"
 #include "kvevict/policy/decode_rules.hpp"
+#include "kvevict/policy/evict_to.hpp"
 #include "kvevict/policy/policy_shape.hpp"
 #include "kvevict/policy/score_increments.hpp"
 #include "kvevict/score_inputs.hpp"
@@ -84,6 +85,75 @@ class policy_base {
     }
     slots_.length_ref(b) = position + 1;
     return position;
+  }
+
+  /// Multi-token append (chunked prefill, speculative decoding): records
+  /// positions length(b) .. length(b) + tokens - 1 in every KV head, token j
+  /// in new_token_slot(count, next_slot, j) (evict_to.hpp), and returns the
+  /// first position. Needs count + tokens <= capacity in every head, beyond
+  /// budget + 1 if the capacity allows; evict_to brings it back to a
+  /// budget. slots (optional, [num_kv_heads][tokens]): where each token went.
+  std::int32_t append(std::int32_t b, std::int32_t tokens, std::int32_t* slots) {
+    const detail::site w = where("append");
+    detail::require_index(w, "sequence", b, shape_.num_seqs);
+    if (tokens < 1) detail::fail<out_of_range>(w, "tokens", "= ", tokens, " is below 1");
+    for (std::int32_t h = 0; h < shape_.num_kv_heads; ++h)
+      if (std::int64_t{slots_.count(b, h)} + tokens > shape_.capacity)
+        detail::fail<out_of_range>(w, "tokens", "= ", tokens, ": sequence ", b, " head ", h, " holds ",
+                                   slots_.count(b, h), " of capacity ", shape_.capacity, " (evict_to first)");
+    const std::int32_t first = slots_.length(b);
+    for (std::int32_t h = 0; h < shape_.num_kv_heads; ++h) {
+      const std::int32_t count = slots_.count(b, h), next = slots_.next_slot(b, h);
+      for (std::int32_t j = 0; j < tokens; ++j) {
+        const std::int32_t s = new_token_slot(count, next, j);
+        slots_.positions_of(b, h)[s] = first + j;
+        mutable_scores(b, h)[s] = 0.0f;
+        if (slots) slots[std::int64_t{h} * tokens + j] = s;
+      }
+      slots_.count_ref(b, h) = count + tokens;
+      slots_.next_slot_ref(b, h) = next_slot_after_append(count + tokens, rule_.budget);
+    }
+    slots_.length_ref(b) = first + tokens;
+    return first;
+  }
+
+  /// Multi-token eviction (evict_to.hpp): every KV head of sequence b that
+  /// holds more than `target` tokens keeps `target` (its protected tokens
+  /// plus the best of the rest) and kept rows move in `view` so the occupied
+  /// slots are [0, target + 1) but one hole, the next slot (as after evict).
+  /// Returns the tokens freed per head. With one token above target it is
+  /// evict: the same victim, no row moved. target: in [sinks + recent,
+  /// capacity].
+  template <class T, class Layout>
+  std::int32_t evict_to(std::int32_t b, std::int32_t target, const kv_view<T, Layout>& view) {
+    const detail::site w = where("evict_to");
+    require_evict_to(w, b, target);
+    require_view(w, view);
+    const std::int32_t span = std::max(target, occupied_width(b));
+    require_rows(w, view, b, span, all_columns());
+    require_distinct_pages(w, view, b, span);
+    const std::int32_t freed = evict_surplus(b, target);
+    for (std::int32_t h = 0; h < shape_.num_kv_heads; ++h)
+      for (std::int32_t i = 0; i < move_counts_[std::size_t(h)]; ++i) {
+        const slot_move m = moves_[std::size_t(h) * shape_.capacity + i];
+        std::copy_n(view.k_row(b, h, m.from), view.head_dim, view.k_row(b, h, m.to));
+        std::copy_n(view.v_row(b, h, m.from), view.head_dim, view.v_row(b, h, m.to));
+      }
+    return freed;
+  }
+
+  /// The same for engines that move rows themselves: moves[h * capacity +
+  /// i] for i < move_counts[h] says which slot's rows go where (sources and
+  /// destinations are distinct, so any order works).
+  std::int32_t evict_to(std::int32_t b, std::int32_t target, slot_move* moves, std::int32_t* move_counts) {
+    const detail::site w = where("evict_to");
+    require_evict_to(w, b, target);
+    detail::require_not_null(w, "moves", moves);
+    detail::require_not_null(w, "move_counts", move_counts);
+    const std::int32_t freed = evict_surplus(b, target);
+    std::copy(moves_.begin(), moves_.end(), moves);
+    std::copy(move_counts_.begin(), move_counts_.end(), move_counts);
+    return freed;
   }
 
   /// Forgets sequence b (a finished request); its slots become free.
@@ -302,10 +372,18 @@ class policy_base {
     keep_.assign(std::size_t(shape.num_kv_heads) * shape.capacity, 0);
     order_.assign(std::size_t(shape.capacity), 0);
     victims_.assign(std::size_t(shape.num_kv_heads), -1);
+    moves_.assign(std::size_t(shape.num_kv_heads) * shape.capacity, slot_move{});
+    move_counts_.assign(std::size_t(shape.num_kv_heads), 0);
   }
 
   // Optional hooks; a policy with state of its own hides them.
   void check_evict(const detail::site&, std::int32_t) const {}  // throws to refuse an eviction
+  /// Frees head h's surplus over `target` (evict_to), by the decode rule.
+  std::int32_t free_surplus(std::int32_t b, std::int32_t h, std::int32_t target) {
+    return detail::free_surplus(rule_, slots_.positions_of(b, h), mutable_scores(b, h), shape_.capacity,
+                                slots_.count(b, h), slots_.length(b), target, derived().stream_of(b), h,
+                                order_.data());
+  }
   void on_reset(std::int32_t) noexcept {}
   std::uint64_t stream_of(std::int32_t b) const noexcept { return std::uint64_t(b); }  // random's draws
 
@@ -399,6 +477,34 @@ class policy_base {
     detail::require_extents(w, "q", in.q, eq, exact);
     detail::require_queries(w, "q", in.q);
     detail::require_scale(w, in.scale);
+  }
+
+  void require_evict_to(const detail::site& w, std::int32_t b, std::int32_t target) const {
+    detail::require_index(w, "sequence", b, shape_.num_seqs);
+    const std::int64_t protected_max = std::int64_t{rule_.protect.sinks} + rule_.protect.recent;
+    if (target < protected_max || target > shape_.capacity)
+      detail::fail<budget_error>(w, "target", "= ", target, " is outside [sinks + recent = ", protected_max,
+                                 ", capacity = ", shape_.capacity, "]");
+    if (slots_.count(b, 0) > target) derived().check_evict(w, b);
+  }
+
+  /// evict_to's decisions and slot-table changes for every head of b; the
+  /// moves land in moves_ / move_counts_. Nothing here can fail.
+  std::int32_t evict_surplus(std::int32_t b, std::int32_t target) {
+    std::int32_t freed = 0;
+    for (std::int32_t h = 0; h < shape_.num_kv_heads; ++h) {
+      freed = derived().free_surplus(b, h, target);
+      move_counts_[std::size_t(h)] = 0;
+      if (freed == 0) continue;  // nothing above target: the slots stay as they are
+      const std::int32_t count = slots_.count(b, h) - freed;
+      slot_move* moves = moves_.data() + std::size_t(h) * shape_.capacity;
+      move_counts_[std::size_t(h)] =
+          detail::refill_holes(slots_.positions_of(b, h), mutable_scores(b, h), shape_.capacity, count, rule_.budget,
+                               order_.data(), slots_.next_slot_ref(b, h),
+                               [&](std::int32_t from, std::int32_t to) { *moves++ = slot_move{from, to}; });
+      slots_.count_ref(b, h) = count;
+    }
+    return freed;
   }
 
   void require_head(const detail::site& w, std::int32_t b, std::int32_t h) const {
@@ -526,6 +632,8 @@ class policy_base {
   std::vector<std::int32_t> keep_;     // [Hkv][capacity] prefill keep sets
   mutable std::vector<std::int32_t> order_;  // [capacity] candidates during selection (scratch)
   std::vector<std::int32_t> victims_;  // [Hkv]
+  std::vector<slot_move> moves_;       // [Hkv][capacity] evict_to's row moves
+  std::vector<std::int32_t> move_counts_;  // [Hkv]
 };
 
 }  // namespace kvevict

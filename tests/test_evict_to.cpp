@@ -1,0 +1,433 @@
+// Multi-token steps: append of several tokens and evict_to(target), per
+// sequence and batched, against a brute-force keep set, against repeated
+// single evictions where the two must agree, and against evict itself when
+// one token was added.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <random>
+#include <set>
+#include <type_traits>
+#include <vector>
+
+#include "kvevict/kvevict.hpp"
+#include "kvevict/batch/multi_token.hpp"
+#include "support/caches.hpp"
+
+namespace kv = kvevict;
+
+namespace {
+
+constexpr std::int32_t kSeqs = 3, kHeads = 2, kGroup = 2, kDim = 8;
+
+kv::policy_shape shape_of(std::int32_t capacity) { return {kSeqs, kHeads, kHeads * kGroup, capacity}; }
+
+/// The tokens (position -> score) a head keeps after evict_to(target), from
+/// scratch: the protected ones plus the best of the others by `better`.
+template <class Better>
+std::set<std::int32_t> brute_keep(const std::vector<std::pair<std::int32_t, float>>& held, std::int32_t target,
+                                  std::int32_t sinks, std::int32_t recent, std::int32_t length, Better better) {
+  std::set<std::int32_t> keep;
+  std::vector<std::pair<std::int32_t, float>> others;
+  for (const auto& [p, score] : held)
+    if (p < sinks || p >= length - recent) keep.insert(p);
+    else others.push_back({p, score});
+  std::sort(others.begin(), others.end(), better);  // best first
+  for (std::size_t i = 0; keep.size() < std::size_t(target) && i < others.size(); ++i) keep.insert(others[i].first);
+  return keep;
+}
+
+template <class Policy>
+std::vector<std::pair<std::int32_t, float>> held_of(const Policy& p, std::int32_t b, std::int32_t h) {
+  std::vector<std::pair<std::int32_t, float>> held;
+  for (std::int32_t s = 0; s < p.shape().capacity; ++s)
+    if (p.slots().position(b, h, s) >= 0) held.push_back({p.slots().position(b, h, s), p.score(b, h, s)});
+  return held;
+}
+
+template <class Policy>
+std::set<std::int32_t> positions_of(const Policy& p, std::int32_t b, std::int32_t h) {
+  std::set<std::int32_t> out;
+  for (const auto& [pos, score] : held_of(p, b, h)) out.insert(pos);
+  return out;
+}
+
+/// K row of (position, head) as the test writes it: element d = position * 8 + h + d / 16.
+float row_value(std::int32_t position, std::int32_t h, std::int32_t d) {
+  return static_cast<float>(position % 512) + 0.25f * static_cast<float>(h) + static_cast<float>(d) / 16.0f;
+}
+
+/// Occupied slots are [0, count + 1) but the next slot (or [0, count) when
+/// count > budget), and each slot's K/V rows belong to its position.
+template <class Policy, class View>
+void check_layout(const Policy& p, const View& view, std::int32_t b, std::int32_t h) {
+  const std::int32_t count = p.slots().count(b, h), next = p.next_slot(b, h);
+  const std::int32_t span = count <= p.budget() ? count + 1 : count;
+  for (std::int32_t s = 0; s < p.shape().capacity; ++s) {
+    const std::int32_t pos = p.slots().position(b, h, s);
+    const bool should_hold = s < span && s != next;
+    CHECK_MESSAGE((pos >= 0) == should_hold, "slot ", s, " of ", b, ",", h);
+    if (pos >= 0)
+      for (std::int32_t d = 0; d < kDim; ++d) {
+        CHECK(view.k_row(b, h, s)[d] == row_value(pos, h, d));
+        CHECK(view.v_row(b, h, s)[d] == -row_value(pos, h, d));
+      }
+  }
+}
+
+/// Drives `policy` with random multi-token steps and checks every evict_to
+/// against the brute-force keep set of `better` (the policy's order).
+template <class Policy, class Better>
+void run_keep_set_stream(Policy& policy, std::uint32_t seed, std::int32_t sinks, std::int32_t recent, Better better) {
+  std::mt19937 rng(seed);
+  const std::int32_t cap = policy.shape().capacity, budget = policy.budget();
+  auto cache = kv::make_bhsd_cache<float>(kSeqs, kHeads, cap, kDim);
+  const auto view = cache.view();
+  std::vector<float> inc(std::size_t(kHeads) * cap);
+  std::vector<std::int32_t> slots(std::size_t(kHeads) * cap);
+  for (std::int32_t step = 0; step < 60; ++step) {
+    const std::int32_t b = std::int32_t(rng() % kSeqs);
+    const std::int32_t room = cap - policy.slots().count(b, 0);
+    const std::int32_t tokens = 1 + std::int32_t(rng() % std::uint32_t(std::max(1, std::min(room, 6))));
+    if (room < 1) continue;
+    const std::int32_t first = policy.append(b, tokens, slots.data());
+    for (std::int32_t h = 0; h < kHeads; ++h)
+      for (std::int32_t j = 0; j < tokens; ++j)
+        for (std::int32_t d = 0; d < kDim; ++d) {
+          view.k_row(b, h, slots[std::size_t(h * tokens + j)])[d] = row_value(first + j, h, d);
+          view.v_row(b, h, slots[std::size_t(h * tokens + j)])[d] = -row_value(first + j, h, d);
+        }
+    for (float& x : inc) x = static_cast<float>(rng() % 8) / 8.0f;  // many exact ties
+    policy.observe(b, kv::head_scores{kv::make_tensor_view<const float>(inc.data(), kHeads, cap)});
+    const std::int32_t target = std::max(sinks + recent, budget - std::int32_t(rng() % 3));
+    std::vector<std::set<std::int32_t>> expected;
+    for (std::int32_t h = 0; h < kHeads; ++h)
+      expected.push_back(brute_keep(held_of(policy, b, h), target, sinks, recent, policy.length(b), better));
+    const std::int32_t before = policy.slots().count(b, 0);
+    CHECK(policy.evict_to(b, target, view) == std::max(0, before - target));
+    for (std::int32_t h = 0; h < kHeads; ++h) {
+      if (before > target) CHECK(positions_of(policy, b, h) == expected[std::size_t(h)]);
+      check_layout(policy, view, b, h);
+    }
+  }
+}
+
+bool by_score_then_newer(const std::pair<std::int32_t, float>& a, const std::pair<std::int32_t, float>& b) {
+  return a.second != b.second ? a.second > b.second : a.first > b.first;
+}
+bool newest_first(const std::pair<std::int32_t, float>& a, const std::pair<std::int32_t, float>& b) {
+  return a.first > b.first;
+}
+
+}  // namespace
+
+TEST_CASE("evict_to keeps the brute-force keep set and a prefix of slots: h2o and recent_window") {
+  for (std::uint32_t seed = 1; seed <= 20; ++seed) {
+    kv::h2o_policy h2o(shape_of(16), {5, 3});
+    run_keep_set_stream(h2o, seed, 0, 3, by_score_then_newer);
+    kv::recent_window_policy window(shape_of(16), {2, 6});
+    run_keep_set_stream(window, seed, 2, 0, newest_first);
+  }
+}
+
+TEST_CASE("evict_to with one token above the target is evict, for every policy") {
+  std::mt19937 rng(7);
+  const std::int32_t cap = 9;
+  auto cache = kv::make_bhsd_cache<float>(kSeqs, kHeads, cap, kDim);
+  for (auto& x : cache.k_storage()) x = static_cast<float>(rng() % 16) / 8.0f - 1.0f;
+  for (auto& x : cache.v_storage()) x = static_cast<float>(rng() % 16) / 8.0f - 1.0f;
+  std::vector<float> inc(std::size_t(kHeads) * cap), q(std::size_t(kHeads) * kGroup * kDim);
+  auto drive = [&](auto& a, auto& b, auto observe) {
+    for (std::int32_t step = 0; step < 40; ++step) {
+      const std::int32_t s = std::int32_t(rng() % kSeqs);
+      a.append(s);
+      b.append(s);
+      for (float& x : inc) x = static_cast<float>(rng() % 8) / 8.0f;
+      for (float& x : q) x = static_cast<float>(rng() % 16) / 16.0f - 0.5f;
+      observe(a, s);
+      observe(b, s);
+      std::vector<kv::slot_move> moves(std::size_t(kHeads) * cap);
+      std::vector<std::int32_t> counts(kHeads, -1);
+      const std::int32_t freed = a.evict(s);
+      CHECK(b.evict_to(s, a.budget(), moves.data(), counts.data()) == (freed > 0 ? 1 : 0));
+      for (std::int32_t h = 0; h < kHeads; ++h) {
+        CHECK(counts[std::size_t(h)] == 0);
+        CHECK(a.next_slot(s, h) == b.next_slot(s, h));
+        for (std::int32_t slot = 0; slot < cap; ++slot) {
+          CHECK(a.slots().position(s, h, slot) == b.slots().position(s, h, slot));
+          CHECK(a.score(s, h, slot) == b.score(s, h, slot));
+        }
+      }
+    }
+  };
+  const auto by_increments = [&](auto& p, std::int32_t s) {
+    p.observe(s, kv::head_scores{kv::make_tensor_view<const float>(inc.data(), kHeads, cap)});
+  };
+  {
+    kv::h2o_policy a(shape_of(cap), {5, 3}), b(shape_of(cap), {5, 3});
+    drive(a, b, by_increments);
+  }
+  {
+    kv::recent_window_policy a(shape_of(cap), {2, 6}), b(shape_of(cap), {2, 6});
+    drive(a, b, by_increments);
+  }
+  {
+    kv::random_policy a(shape_of(cap), {8, 1, 2, 99}), b(shape_of(cap), {8, 1, 2, 99});
+    drive(a, b, by_increments);
+  }
+  {
+    kv::exact_greedy_policy a(shape_of(cap), {8, 2, 1}), b(shape_of(cap), {8, 2, 1});
+    std::vector<float> lse(std::size_t(kHeads) * kGroup, 0.0f);
+    drive(a, b, [&](auto& p, std::int32_t s) {
+      p.observe(s, kv::decode_queries<float>{kv::make_tensor_view<const float>(q.data(), kHeads * kGroup, kDim),
+                                             kv::make_tensor_view<const float>(lse.data(), kHeads * kGroup), 0.5f},
+                cache.view());
+    });
+  }
+}
+
+TEST_CASE("evict_to frees what repeated single evictions free (h2o, recent_window, exact_greedy)") {
+  const std::int32_t cap = 20;
+  std::vector<float> q(std::size_t(kHeads) * kGroup * kDim), lse(std::size_t(kHeads) * kGroup, 0.0f);
+  // a: evict_to(target) at once; b: one victim per call. exact_greedy's b
+  // re-observes between victims, so its errors are recomputed as greedy's.
+  // Each has its own cache; rows and increments follow positions, not slots.
+  auto drive = [&](auto& a, auto& b, bool reobserve) {
+    CAPTURE(a.rule().victim);
+    std::mt19937 rng(11);
+    auto cache_a = kv::make_bhsd_cache<float>(kSeqs, kHeads, cap, kDim);
+    auto cache_b = kv::make_bhsd_cache<float>(kSeqs, kHeads, cap, kDim);
+    std::uint32_t salt = 0;
+    const auto observe = [&](auto& p, auto& cache, std::int32_t s) {
+      std::vector<float> inc(std::size_t(kHeads) * cap, 0.0f);
+      for (std::int32_t h = 0; h < kHeads; ++h)
+        for (std::int32_t slot = 0; slot < cap; ++slot) {
+          const std::int32_t pos = p.slots().position(s, h, slot);
+          if (pos >= 0) inc[std::size_t(h * cap + slot)] = static_cast<float>((pos * 7 + h * 3 + salt) % 8) / 8.0f;
+        }
+      if constexpr (std::is_same_v<std::decay_t<decltype(p)>, kv::exact_greedy_policy>)
+        p.observe(s, kv::decode_queries<float>{kv::make_tensor_view<const float>(q.data(), kHeads * kGroup, kDim),
+                                               kv::make_tensor_view<const float>(lse.data(), kHeads * kGroup), 0.5f},
+                  cache.view());
+      else
+        p.observe(s, kv::head_scores{kv::make_tensor_view<const float>(inc.data(), kHeads, cap)});
+    };
+    const auto append = [&](auto& p, auto& cache, std::int32_t s, std::int32_t tokens) {
+      std::vector<std::int32_t> slots(std::size_t(kHeads) * tokens);
+      const std::int32_t first = p.append(s, tokens, slots.data());
+      for (std::int32_t h = 0; h < kHeads; ++h)
+        for (std::int32_t j = 0; j < tokens; ++j)
+          for (std::int32_t d = 0; d < kDim; ++d) {
+            cache.view().k_row(s, h, slots[std::size_t(h * tokens + j)])[d] = row_value(first + j, h, d) / 64.0f;
+            cache.view().v_row(s, h, slots[std::size_t(h * tokens + j)])[d] = -row_value(first + j, h, d) / 64.0f;
+          }
+    };
+    for (std::int32_t step = 0; step < 30; ++step) {
+      const std::int32_t s = std::int32_t(rng() % kSeqs);
+      const std::int32_t tokens = 1 + std::int32_t(rng() % 5);
+      if (a.slots().count(s, 0) + tokens > cap) continue;
+      append(a, cache_a, s, tokens);
+      append(b, cache_b, s, tokens);
+      salt = static_cast<std::uint32_t>(rng());
+      for (float& x : q) x = static_cast<float>(rng() % 16) / 16.0f - 0.5f;
+      observe(a, cache_a, s);
+      observe(b, cache_b, s);
+      const std::int32_t target = a.budget();
+      a.evict_to(s, target, cache_a.view());
+      while (b.slots().count(s, 0) > target) {
+        b.evict_to(s, b.slots().count(s, 0) - 1, cache_b.view());
+        if (reobserve && b.slots().count(s, 0) > target) observe(b, cache_b, s);
+      }
+      for (std::int32_t h = 0; h < kHeads; ++h) CHECK(positions_of(a, s, h) == positions_of(b, s, h));
+    }
+  };
+  {
+    kv::h2o_policy a(shape_of(cap), {6, 3}), b(shape_of(cap), {6, 3});
+    drive(a, b, false);
+  }
+  {
+    kv::recent_window_policy a(shape_of(cap), {2, 7}), b(shape_of(cap), {2, 7});
+    drive(a, b, false);
+  }
+  {
+    kv::exact_greedy_policy a(shape_of(cap), {9, 2, 1}), b(shape_of(cap), {9, 2, 1});
+    drive(a, b, true);
+  }
+}
+
+TEST_CASE("random evict_to draws victim j with round j of its Philox counter") {
+  std::mt19937 rng(5);
+  const std::int32_t cap = 24;
+  const kv::random_config config{10, 2, 3, 1234};
+  kv::random_policy policy(shape_of(cap), config);
+  std::vector<float> inc(std::size_t(kHeads) * cap, 0.5f);
+  for (std::int32_t step = 0; step < 30; ++step) {
+    const std::int32_t b = std::int32_t(rng() % kSeqs), tokens = 1 + std::int32_t(rng() % 6);
+    if (policy.slots().count(b, 0) + tokens > cap) continue;
+    policy.append(b, tokens, nullptr);
+    policy.observe(b, kv::head_scores{kv::make_tensor_view<const float>(inc.data(), kHeads, cap)});
+    const std::int32_t length = policy.length(b);
+    std::vector<std::set<std::int32_t>> expected;
+    for (std::int32_t h = 0; h < kHeads; ++h) {
+      std::set<std::int32_t> held = positions_of(policy, b, h);
+      const std::int32_t surplus = std::int32_t(held.size()) - config.budget;
+      for (std::int32_t round = 0; round < surplus; ++round) {
+        std::vector<std::int32_t> candidates;  // ascending positions
+        for (std::int32_t p : held)
+          if (p >= config.sinks && p < length - config.recent) candidates.push_back(p);
+        const std::uint32_t draw =
+            kv::random_draw(config.seed, kv::random_use::decode_victim, std::uint64_t(b), h, length - 1, round);
+        held.erase(candidates[kv::uniform_index(draw, std::uint32_t(candidates.size()))]);
+      }
+      expected.push_back(held);
+    }
+    policy.evict_to(b, config.budget, static_cast<kv::slot_move*>(std::vector<kv::slot_move>(kHeads * cap).data()),
+                    std::vector<std::int32_t>(kHeads).data());
+    for (std::int32_t h = 0; h < kHeads; ++h) CHECK(positions_of(policy, b, h) == expected[std::size_t(h)]);
+  }
+}
+
+TEST_CASE("multi-token append and evict_to refuse bad input and change nothing") {
+  kv::h2o_policy policy(shape_of(10), {4, 2});
+  auto cache = kv::make_bhsd_cache<float>(kSeqs, kHeads, 10, kDim);
+  policy.append(0, 7, nullptr);
+  const auto before = positions_of(policy, 0, 0);
+  CHECK_THROWS_AS(policy.append(0, 4, nullptr), kv::out_of_range);  // 7 + 4 > capacity 10
+  CHECK_THROWS_AS(policy.append(0, 0, nullptr), kv::out_of_range);
+  CHECK_THROWS_AS(policy.evict_to(0, 1, cache.view()), kv::budget_error);  // below recent = 2
+  CHECK_THROWS_AS(policy.evict_to(0, 11, cache.view()), kv::budget_error);
+  CHECK_THROWS_AS(policy.evict_to(kSeqs, 6, cache.view()), kv::out_of_range);
+  std::vector<kv::slot_move> no_moves;  // data() is null
+  std::vector<std::int32_t> move_counts(kHeads);
+  CHECK_THROWS_AS(policy.evict_to(0, 6, no_moves.data(), move_counts.data()), kv::invalid_argument);
+  CHECK(positions_of(policy, 0, 0) == before);
+  CHECK(policy.slots().count(0, 0) == 7);
+  CHECK(policy.length(0) == 7);
+  // exact_greedy refuses evict_to before the step was observed.
+  kv::exact_greedy_policy oracle(shape_of(10), {6, 1, 1});
+  oracle.append(1, 8, nullptr);
+  CHECK_THROWS_AS(oracle.evict_to(1, 6, cache.view()), kv::state_error);
+  CHECK(oracle.slots().count(1, 0) == 8);
+}
+
+namespace {
+
+/// Runs per-sequence Policy and the batched host backend side by side
+/// through multi-token steps on a cache of dtype T and layout `layout`;
+/// slot tables, scores and K/V bytes must match after every call.
+template <class Policy, class T>
+void run_batched_parity(kvtest::layout_kind layout, const typename kv::policy_traits<Policy>::config_type& config,
+                        std::uint32_t seed) {
+  const std::int32_t cap = 16;
+  const kv::policy_shape shape = shape_of(cap);
+  Policy single(shape, config);
+  std::vector<unsigned char> memory(kv::batch_state_bytes<Policy>(shape, config));
+  const kv::batch_state_view st = kv::make_batch_state<Policy>(memory.data(), memory.size(), shape, config);
+  kv::init_batch_state(st);
+  std::mt19937 rng(seed);
+  kvtest::with_cache<T>(layout, kSeqs, kHeads, cap, kDim, 4, [&](auto view_a) {
+    kvtest::with_cache<T>(layout, kSeqs, kHeads, cap, kDim, 4, [&](auto view_b) {
+      std::vector<float> inc(std::size_t(kSeqs) * kHeads * cap);
+      std::uint64_t status = kv::batch_status_clear;
+      for (std::int32_t step = 0; step < 25; ++step) {
+        const std::int32_t tokens = 1 + std::int32_t(rng() % 4);
+        std::vector<std::uint8_t> flags(kSeqs, 0);
+        for (std::int32_t b = 0; b < kSeqs; ++b)
+          flags[std::size_t(b)] = single.slots().count(b, 0) + tokens <= cap && rng() % 4 != 0;
+        const auto active = kv::active_set::of_flags(flags.data());
+        kv::batched_append_tokens(st, active, tokens, &status);
+        for (std::int32_t b = 0; b < kSeqs; ++b) {
+          if (!flags[std::size_t(b)]) continue;
+          std::vector<std::int32_t> slots(std::size_t(kHeads) * tokens);
+          const std::int32_t first = single.append(b, tokens, slots.data());
+          for (std::int32_t h = 0; h < kHeads; ++h)
+            for (std::int32_t j = 0; j < tokens; ++j)
+              for (std::int32_t d = 0; d < kDim; ++d) {
+                const T k = kv::from_float<T>(row_value(first + j, h, d)), v = kv::from_float<T>(-row_value(first + j, h, d));
+                const std::int32_t s = slots[std::size_t(h * tokens + j)];
+                view_a.k_row(b, h, s)[d] = k;
+                view_a.v_row(b, h, s)[d] = v;
+                view_b.k_row(b, h, s)[d] = k;
+                view_b.v_row(b, h, s)[d] = v;
+              }
+        }
+        for (float& x : inc) x = static_cast<float>(rng() % 8) / 8.0f;
+        kv::batched_observe_evict(st, active, kv::batch_head_scores{kv::make_tensor_view<const float>(inc.data(), kSeqs, kHeads, cap)},
+                                  nullptr, &status);
+        for (std::int32_t b = 0; b < kSeqs; ++b)
+          if (flags[std::size_t(b)]) {
+            single.observe(b, kv::head_scores{kv::make_tensor_view<const float>(inc.data() + std::size_t(b) * kHeads * cap, kHeads, cap)});
+            single.evict(b);
+          }
+        const std::int32_t target = single.budget() - std::int32_t(rng() % 2);
+        kv::batched_evict_to(st, active, target, view_b, nullptr, &status);
+        for (std::int32_t b = 0; b < kSeqs; ++b)
+          if (flags[std::size_t(b)]) single.evict_to(b, target, view_a);
+        REQUIRE(status == kv::batch_status_clear);
+        for (std::int32_t b = 0; b < kSeqs; ++b)
+          for (std::int32_t h = 0; h < kHeads; ++h) {
+            CHECK(st.slots.counts[st.head_index(b, h)] == single.slots().count(b, h));
+            CHECK(st.slots.next_slots[st.head_index(b, h)] == single.next_slot(b, h));
+            for (std::int32_t s = 0; s < cap; ++s) {
+              CHECK(st.slots.positions_of(b, h)[s] == single.slots().position(b, h, s));
+              CHECK(st.scores_of(b, h)[s] == single.score(b, h, s));
+              if (single.slots().position(b, h, s) >= 0) {
+                CHECK(kvtest::same_bits(view_a.k_row(b, h, s), view_b.k_row(b, h, s), kDim));
+                CHECK(kvtest::same_bits(view_a.v_row(b, h, s), view_b.v_row(b, h, s), kDim));
+              }
+            }
+          }
+      }
+    });
+  });
+}
+
+template <class T>
+void batched_parity_all_layouts() {
+  for (const auto layout : kvtest::all_layouts)
+    for (std::uint32_t seed = 1; seed <= 3; ++seed) {
+      CAPTURE(kvtest::name(layout));
+      run_batched_parity<kv::h2o_policy, T>(layout, {6, 3}, seed);
+      run_batched_parity<kv::recent_window_policy, T>(layout, {2, 7}, seed);
+      run_batched_parity<kv::random_policy, T>(layout, {9, 1, 2, 77}, seed);
+    }
+}
+
+}  // namespace
+
+TEST_CASE("batched multi-token append and evict_to equal the per-sequence policies, every dtype x layout") {
+  batched_parity_all_layouts<float>();
+  batched_parity_all_layouts<kv::half>();
+  batched_parity_all_layouts<kv::bfloat16>();
+}
+
+TEST_CASE("batched evict_to: an unobserved head is refused and left unchanged; exact_greedy is per sequence") {
+  const kv::policy_shape shape = shape_of(12);
+  const kv::h2o_config config{5, 2};
+  std::vector<unsigned char> memory(kv::batch_state_bytes<kv::h2o_policy>(shape, config));
+  const kv::batch_state_view st = kv::make_batch_state<kv::h2o_policy>(memory.data(), memory.size(), shape, config);
+  kv::init_batch_state(st);
+  std::uint64_t status = kv::batch_status_clear;
+  kv::batched_append_tokens(st, kv::active_set::all(), 10, &status);
+  CHECK(status == kv::batch_status_clear);
+  kv::batched_append_tokens(st, kv::active_set::all(), 3, &status);  // 13 > capacity 12
+  CHECK(kv::batch_status::unpack(status).code == kv::batch_code::over_capacity);
+  CHECK(st.slots.counts[0] == 10);
+  status = kv::batch_status_clear;
+  std::vector<kv::slot_move> moves(std::size_t(kSeqs) * kHeads * 12);
+  std::vector<std::int32_t> counts(std::size_t(kSeqs) * kHeads, -1);
+  kv::batched_evict_to(st, kv::active_set::all(), 7, moves.data(), counts.data(), &status);
+  CHECK(kv::batch_status::unpack(status).code == kv::batch_code::not_observed);
+  CHECK(st.slots.counts[0] == 10);
+  CHECK_THROWS_AS(kv::batched_evict_to(st, kv::active_set::all(), 1, moves.data(), counts.data(), &status),
+                  kv::budget_error);
+  const kv::exact_greedy_config eg{6, 1, 1};
+  const kv::history_extent hist{16, kDim};
+  std::vector<unsigned char> eg_memory(kv::batch_state_bytes<kv::exact_greedy_policy>(shape, eg, hist));
+  const kv::batch_state_view eg_state =
+      kv::make_batch_state<kv::exact_greedy_policy>(eg_memory.data(), eg_memory.size(), shape, eg, hist);
+  kv::init_batch_state(eg_state);
+  CHECK_THROWS_AS(kv::batched_evict_to(eg_state, kv::active_set::all(), 6, moves.data(), counts.data(), &status),
+                  kv::invalid_argument);
+}
