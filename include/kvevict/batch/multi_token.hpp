@@ -1,0 +1,181 @@
+#pragma once
+// Multi-token steps of the batched API on the host (docs/semantics.md,
+// "Multi-token steps"): an append of several tokens per sequence (chunked
+// prefill, speculative decoding) and evict_to(target), which frees every
+// surplus token of each active (b, h) at once. The per-(b, h) rules are
+// policy/evict_to.hpp's, which the per-sequence policies run too; the CUDA
+// launchers (kvevict/cuda/multi_token.cuh) make the same decisions.
+//
+// A step with several tokens: batched_append_tokens, attention over the
+// occupied prefix, batched_observe_evict (adds the scores and evicts one
+// token above the budget), then batched_evict_to(budget) for the rest.
+#include <cstdint>
+#include <cstring>
+
+#include "kvevict/batch/host_backend.hpp"
+#include "kvevict/batch/inputs.hpp"
+#include "kvevict/batch/state.hpp"
+#include "kvevict/batch/status.hpp"
+#include "kvevict/batch/validate.hpp"
+#include "kvevict/kv_view.hpp"
+#include "kvevict/policy/evict_to.hpp"
+
+namespace kvevict {
+namespace detail {
+
+inline void require_tokens(const site& w, const batch_state_view& st, std::int32_t tokens) {
+  if (tokens < 1 || tokens > st.capacity())
+    fail<out_of_range>(w, "tokens", "= ", tokens, " is outside [1, capacity = ", st.capacity(), "]");
+}
+
+inline void require_target(const site& w, const batch_state_view& st, std::int32_t target) {
+  if (st.history.keys)
+    fail<invalid_argument>(w, "state", "is exact_greedy's: its greedy evict_to is per sequence only "
+                                       "(exact_greedy_policy::evict_to)");
+  const std::int64_t protected_max = std::int64_t{st.rule.protect.sinks} + st.rule.protect.recent;
+  if (target < protected_max || target > st.capacity())
+    fail<budget_error>(w, "target", "= ", target, " is outside [sinks + recent = ", protected_max,
+                       ", capacity = ", st.capacity(), "]");
+}
+
+/// evict_to of one (b, h): frees the surplus, refills the holes, calls
+/// on_move(from, to) per row move; returns the tokens freed. The caller
+/// checked the head.
+template <class OnMove>
+std::int32_t evict_to_head(const batch_state_view& st, std::int32_t b, std::int32_t h, std::int32_t target,
+                           OnMove on_move) {
+  const std::int64_t bh = st.head_index(b, h);
+  std::int32_t* positions = st.slots.positions_of(b, h);
+  float* scores = st.scores_of(b, h);
+  std::int32_t* scratch = st.victim_scratch + bh * st.capacity();
+  const std::int32_t count = st.slots.counts[bh];
+  const std::int32_t freed =
+      free_surplus(st.rule, positions, scores, st.capacity(), count, st.slots.lengths[b], target,
+                   st.streams ? st.streams[b] : std::uint64_t(b), h, scratch);
+  if (freed == 0) return 0;
+  st.slots.counts[bh] = count - freed;
+  refill_holes(positions, scores, st.capacity(), count - freed, st.rule.budget, scratch, st.slots.next_slots[bh],
+               on_move);
+  // Free slots beyond the new span must read 0 in the spare buffer too:
+  // observe + evict rewrites only [0, count) there before switching buffers.
+  float* spare = st.spare_scores_of(b, h);
+  for (std::int32_t s = 0; s < st.capacity(); ++s)
+    if (positions[s] < 0) spare[s] = 0.0f;
+  return freed;
+}
+
+/// Why (b, h) cannot take evict_to: appended but not observed, or (with a
+/// cache) a row it may touch is not mapped.
+template <class Mapped>
+std::uint64_t evict_to_problem(const batch_state_view& st, std::int32_t b, std::int32_t h, std::int32_t target,
+                               Mapped mapped) {
+  const std::int64_t bh = st.head_index(b, h);
+  if (st.appended[bh]) return pack_status(b, h, 0, batch_code::not_observed);
+  if (st.slots.counts[bh] <= target) return batch_status_clear;
+  const std::int32_t* positions = st.slots.positions_of(b, h);
+  for (std::int32_t s = 0; s < st.capacity(); ++s)
+    if ((positions[s] >= 0 || s <= target) && !mapped(s)) return pack_status(b, h, s, batch_code::bad_page);
+  return batch_status_clear;
+}
+
+}  // namespace detail
+
+/// Appends `tokens` tokens to every active sequence: positions length(b) ..
+/// length(b) + tokens - 1, token j of (b, h) in new_token_slot(count,
+/// next_slot, j) with score 0. The engine writes the rows there (the slots
+/// follow from counts and next_slots before the call). A sequence with a
+/// head that would exceed the capacity is left unchanged (over_capacity).
+inline void batched_append_tokens(const batch_state_view& st, const active_set& active, std::int32_t tokens,
+                                  std::uint64_t* status) {
+  const detail::site w{"batch", "append_tokens"};
+  detail::require_state(w, st);
+  detail::require_active(w, active, st.num_seqs());
+  detail::require_not_null(w, "status", status);
+  detail::require_tokens(w, st, tokens);
+  detail::for_each_active(st, active, status, [&](std::int32_t b) {
+    for (std::int32_t h = 0; h < st.num_heads(); ++h)
+      if (st.slots.counts[st.head_index(b, h)] + tokens > st.capacity())
+        return detail::record_status(status, pack_status(b, h, tokens, batch_code::over_capacity));
+    const std::int32_t first = st.slots.lengths[b];
+    for (std::int32_t h = 0; h < st.num_heads(); ++h) {
+      const std::int64_t bh = st.head_index(b, h);
+      const std::int32_t count = st.slots.counts[bh], next = st.slots.next_slots[bh];
+      for (std::int32_t j = 0; j < tokens; ++j) {
+        const std::int32_t s = new_token_slot(count, next, j);
+        st.slots.positions_of(b, h)[s] = first + j;
+        st.scores_of(b, h)[s] = 0.0f;
+      }
+      st.slots.counts[bh] = count + tokens;
+      st.slots.next_slots[bh] = next_slot_after_append(count + tokens, st.rule.budget);
+      st.appended[bh] = 1;
+    }
+    st.slots.lengths[b] = first + tokens;
+  });
+}
+
+/// evict_to(target) for every active (b, h), after observe + evict: each
+/// head above `target` keeps its protected tokens and the best of the rest,
+/// `target` in all, and the kept rows move in `cache` so the occupied slots
+/// are [0, target + 1) but one hole, the next slot (policy/evict_to.hpp).
+/// freed (optional, [B][H]): tokens freed per stepped head. A head that was
+/// appended but not observed, or whose rows are not mapped, is left
+/// unchanged (not_observed, bad_page).
+template <class T, class Layout>
+void batched_evict_to(const batch_state_view& st, const active_set& active, std::int32_t target,
+                      const kv_view<T, Layout>& cache, std::int32_t* freed, std::uint64_t* status) {
+  const detail::site w{"batch", "evict_to"};
+  detail::require_state(w, st);
+  detail::require_active(w, active, st.num_seqs());
+  detail::require_not_null(w, "status", status);
+  detail::require_target(w, st, target);
+  detail::require_cache(w, st, cache);
+  detail::for_each_active(st, active, status, [&](std::int32_t b) {
+    for (std::int32_t h = 0; h < st.num_heads(); ++h) {
+      const std::int64_t bh = st.head_index(b, h);
+      if (freed) freed[bh] = 0;
+      const std::uint64_t problem =
+          detail::evict_to_problem(st, b, h, target, [&](std::int32_t s) { return row_is_mapped(cache, b, s); });
+      if (problem != batch_status_clear) {
+        detail::record_status(status, problem);
+        continue;
+      }
+      const std::int32_t n = detail::evict_to_head(st, b, h, target, [&](std::int32_t from, std::int32_t to) {
+        std::memcpy(cache.k_row(b, h, to), cache.k_row(b, h, from), sizeof(T) * std::size_t(cache.head_dim));
+        std::memcpy(cache.v_row(b, h, to), cache.v_row(b, h, from), sizeof(T) * std::size_t(cache.head_dim));
+      });
+      if (freed) freed[bh] = n;
+    }
+  });
+}
+
+/// The same for engines that move rows themselves: moves[(b * H + h) *
+/// capacity + i] for i < move_counts[b * H + h] (fewer than the tokens
+/// freed) says which slot's K/V rows go where; sources and destinations are
+/// distinct, so any order works.
+inline void batched_evict_to(const batch_state_view& st, const active_set& active, std::int32_t target,
+                             slot_move* moves, std::int32_t* move_counts, std::uint64_t* status) {
+  const detail::site w{"batch", "evict_to"};
+  detail::require_state(w, st);
+  detail::require_active(w, active, st.num_seqs());
+  detail::require_not_null(w, "status", status);
+  detail::require_not_null(w, "moves", moves);
+  detail::require_not_null(w, "move_counts", move_counts);
+  detail::require_target(w, st, target);
+  detail::for_each_active(st, active, status, [&](std::int32_t b) {
+    for (std::int32_t h = 0; h < st.num_heads(); ++h) {
+      const std::int64_t bh = st.head_index(b, h);
+      move_counts[bh] = 0;
+      const std::uint64_t problem = detail::evict_to_problem(st, b, h, target, [](std::int32_t) { return true; });
+      if (problem != batch_status_clear) {
+        detail::record_status(status, problem);
+        continue;
+      }
+      slot_move* out = moves + bh * st.capacity();
+      detail::evict_to_head(st, b, h, target, [&](std::int32_t from, std::int32_t to) {
+        out[move_counts[bh]++] = slot_move{from, to};
+      });
+    }
+  });
+}
+
+}  // namespace kvevict
