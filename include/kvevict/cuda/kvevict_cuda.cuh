@@ -9,5 +9,8 @@
 #include "kvevict/cuda/device_helpers.cuh"
 #include "kvevict/cuda/error.cuh"
 #include "kvevict/cuda/exact_greedy.cuh"
+#include "kvevict/cuda/multi_token.cuh"
 #include "kvevict/cuda/observe_evict.cuh"
+#include "kvevict/cuda/radix_select.cuh"
+#include "kvevict/cuda/segmented_select.cuh"
 #include "kvevict/cuda/state.cuh"
