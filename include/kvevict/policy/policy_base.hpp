@@ -151,8 +151,11 @@ class policy_base {
     detail::require_not_null(w, "moves", moves);
     detail::require_not_null(w, "move_counts", move_counts);
     const std::int32_t freed = evict_surplus(b, target);
-    std::copy(moves_.begin(), moves_.end(), moves);
-    std::copy(move_counts_.begin(), move_counts_.end(), move_counts);
+    for (std::int32_t h = 0; h < shape_.num_kv_heads; ++h) {  // only the moves made, not the whole buffer
+      const std::size_t row = std::size_t(h) * shape_.capacity;
+      std::copy_n(moves_.data() + row, move_counts_[std::size_t(h)], moves + row);
+      move_counts[h] = move_counts_[std::size_t(h)];
+    }
     return freed;
   }
 
