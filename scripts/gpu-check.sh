@@ -40,10 +40,10 @@ run() {  # run NAME COMMAND...: logs to $logs/NAME.log, records PASS/FAIL
 
 run configure cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DKVEVICT_ENABLE_CUDA=ON \
   -DKVEVICT_CUDA_ARCHITECTURES="$arch" -DKVEVICT_BUILD_BENCHMARKS=OFF "${prefix[@]}"
-run build cmake --build "$build" -j"$(nproc)" --target test_cuda_decode test_cuda_exact_greedy test_cuda_select test_cuda_evict_to kvevict_demo_cuda
+run build cmake --build "$build" -j"$(nproc)" --target test_cuda_decode test_cuda_exact_greedy test_cuda_select test_cuda_prefill test_cuda_evict_to kvevict_demo_cuda
 run gpu-tests ctest --test-dir "$build" -L gpu --output-on-failure
 for tool in memcheck racecheck synccheck initcheck; do
-  for t in test_cuda_decode test_cuda_exact_greedy test_cuda_select test_cuda_evict_to; do
+  for t in test_cuda_decode test_cuda_exact_greedy test_cuda_select test_cuda_prefill test_cuda_evict_to; do
     # The sanitizers slow kernels down by 10-100x: a sixth of the streams
     # (KVEVICT_TEST_QUICK) and no 128K-slot case keep each run to minutes.
     KVEVICT_TEST_QUICK=1 run "$tool:$t" compute-sanitizer --tool "$tool" --error-exitcode 1 \

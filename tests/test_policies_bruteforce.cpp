@@ -253,9 +253,17 @@ struct stream_run {
         for (std::int32_t p = 0; p <= i; ++p) probs[(std::size_t(q) * len + i) * len + p] = draw_prob(rng, params.probs);
     for (std::int32_t q = 0; q < hq; ++q)
       for (std::int32_t p = 0; p < len; ++p) {
-        float s = 0.0f;
-        for (std::int32_t i = p; i < len; ++i) s += probs[(std::size_t(q) * len + i) * len + p];
-        sums[std::size_t(q) * len + p] = s;
+        // The canonical order (docs/semantics.md): 64-row chunks aligned at
+        // multiples of 64, each summed left to right, then the partials.
+        float total = 0.0f;
+        for (std::int32_t first = p / 64 * 64; first < len; first += 64) {
+          float part = 0.0f;
+          for (std::int32_t i = std::max(first, p); i < std::min(first + 64, len); ++i)
+            part = i == std::max(first, p) ? probs[(std::size_t(q) * len + i) * len + p]
+                                           : part + probs[(std::size_t(q) * len + i) * len + p];
+          total = first == p / 64 * 64 ? part : total + part;
+        }
+        sums[std::size_t(q) * len + p] = total;
       }
     for (std::int32_t h = 0; h < heads(); ++h)
       for (auto& [p, tok] : head(b, h)) {

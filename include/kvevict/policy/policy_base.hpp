@@ -23,6 +23,7 @@
 #include "kvevict/error.hpp"
 #include "kvevict/kv_view.hpp"
 #include "kvevict/order.hpp"
+#include "kvevict/policy/column_sums.hpp"
 #include "kvevict/policy/decode_rules.hpp"
 #include "kvevict/policy/evict_to.hpp"
 #include "kvevict/policy/policy_shape.hpp"
@@ -294,13 +295,11 @@ class policy_base {
     detail::reduce_groups(
         w, "column sums of probs", group(), length, all_columns(),
         [&](std::int32_t q, std::int32_t p) {
-          float sum = 0.0f;
-          for (std::int32_t i = p; i < length; ++i) {
+          return prefill_column_sum(p, length, [&](std::int32_t i) {
             const float x = in.probs(q, i, p);
             detail::require_probability(w, "probs", x, q, i, p);
-            sum += x;
-          }
-          return sum;
+            return x;
+          });
         },
         scratch_.data(), shape_.capacity);
     return commit_prefill(w, b, length, &view);
@@ -354,12 +353,10 @@ class policy_base {
         w, "column sums from (q, lse)", group(), length, all_columns(),
         [&](std::int32_t q, std::int32_t p) {
           const auto* key = view.k_row(b, q / g, p);
-          float sum = 0.0f;
-          for (std::int32_t i = p; i < length; ++i) {
+          return prefill_column_sum(p, length, [&](std::int32_t i) {
             const float logit = attention_logit(&in.q(q, i, 0), in.q.strides[2], key, view.head_dim);
-            sum += probability_from_logit(logit, in.scale, in.lse(q, i), in.base);
-          }
-          return sum;
+            return probability_from_logit(logit, in.scale, in.lse(q, i), in.base);
+          });
         },
         scratch_.data(), shape_.capacity);
     return commit_prefill(w, b, length, &view);

@@ -1,0 +1,322 @@
+#pragma once
+// Steps 1 and 2 of a batched prefill call on CUDA (cuda/prefill.cuh): the
+// per-(entry, head) checks, then the prefill scores per input kind, in the
+// canonical column-sum order of policy/column_sums.hpp.
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kvevict/batch/inputs.hpp"
+#include "kvevict/batch/prefill.hpp"
+#include "kvevict/batch/state.hpp"
+#include "kvevict/batch/status.hpp"
+#include "kvevict/cuda/device_helpers.cuh"
+#include "kvevict/cuda/prefill_workspace.cuh"
+#include "kvevict/kv_view.hpp"
+#include "kvevict/policy/column_sums.hpp"
+#include "kvevict/policy/decode_rules.hpp"
+
+namespace kvevict {
+namespace gpu {
+namespace detail {
+
+// ---- 1. prepare ----
+
+template <int Threads, class Checks>
+__global__ void __launch_bounds__(Threads)
+    prefill_prepare_kernel(batch_state_view st, active_set active, prompt_lengths prompts, Checks checks,
+                           prefill_workspace ws, std::uint64_t* status) {
+  __shared__ unsigned long long sequence_word, head_word;
+  __shared__ std::int32_t first_unmapped;
+  const std::int32_t entry = static_cast<std::int32_t>(blockIdx.x) / st.num_heads();
+  const std::int32_t h = static_cast<std::int32_t>(blockIdx.x) % st.num_heads();
+  const std::int32_t b = entry_sequence(active, entry, st.num_seqs(), h, status);  // reports a bad list entry once
+  if (b < 0) return;  // the whole block
+  const std::int32_t t = static_cast<std::int32_t>(threadIdx.x);
+  const std::int32_t length = prompts.lengths[b];
+  if (t == 0) {
+    sequence_word = kvevict::detail::prefill_length_problem(st, b, length, prompts.max_length);
+    head_word = batch_status_clear;
+    first_unmapped = kvevict::detail::prefill_no_slot;
+  }
+  __syncthreads();
+  if (sequence_word == batch_status_clear) {
+    const std::int32_t slot = checks.first_unmapped(b, length, t, Threads);
+    if (slot != kvevict::detail::prefill_no_slot) atomicMin(&first_unmapped, slot);
+  }
+  __syncthreads();
+  if (t == 0 && sequence_word == batch_status_clear && first_unmapped != kvevict::detail::prefill_no_slot)
+    sequence_word = pack_status(b, 0, first_unmapped, batch_code::bad_page);
+  __syncthreads();
+  if (sequence_word == batch_status_clear) {  // the head's own checks, only for a sound sequence
+    const unsigned long long found = checks.head_problem(b, h, length, t, Threads);
+    if (found != batch_status_clear) atomicMin(&head_word, found);
+  }
+  __syncthreads();
+  if (t == 0) {
+    const bool sequence_ok = sequence_word == batch_status_clear;
+    const unsigned long long word = sequence_ok ? head_word : sequence_word;
+    ws.head_refused[std::int64_t{entry} * st.num_heads() + h] = word != batch_status_clear ? 1 : 0;
+    if (word != batch_status_clear) {
+      if (sequence_ok || h == 0) report(status, word);  // a sequence's word once (all its heads refuse it)
+      mark_bad(ws, entry);
+    }
+    if (h == 0) ws.streams[entry] = st.streams ? st.streams[b] : static_cast<std::uint64_t>(b);
+  }
+}
+
+// ---- 2. scores ----
+
+/// Chunk partials from the causal matrix. blockIdx.x = pair * tiles + tile
+/// with pair = entry * Hq + q; blockIdx.y strides over the chunks.
+template <int Threads>
+__global__ void __launch_bounds__(Threads)
+    prefill_probs_partials_kernel(batch_state_view st, active_set active, prompt_lengths prompts,
+                                  batch_prefill_probs in, prefill_workspace ws, std::int32_t tiles,
+                                  std::uint64_t* status) {
+  const std::int32_t pair = static_cast<std::int32_t>(blockIdx.x) / tiles;
+  const std::int32_t tile = static_cast<std::int32_t>(blockIdx.x) % tiles;
+  const std::int32_t entry = pair / st.num_q_heads, q = pair % st.num_q_heads, h = q / st.group_size();
+  const std::int32_t b = active.sequence(entry, st.num_seqs());
+  if (b < 0 || ws.head_refused[std::int64_t{entry} * st.num_heads() + h]) return;
+  const std::int32_t length = prompts.lengths[b];
+  const std::int32_t p = tile * Threads + static_cast<std::int32_t>(threadIdx.x);
+  if (p >= length) return;  // no barrier in this kernel: threads leave on their own
+  float* partials = ws.partials + std::int64_t{pair} * ws.per_pair;
+  for (std::int32_t chunk = static_cast<std::int32_t>(blockIdx.y); chunk < prefill_chunks(length);
+       chunk += static_cast<std::int32_t>(gridDim.y)) {
+    if (prefill_chunk_range(p, chunk, length).empty()) continue;
+    batch_code code = batch_code::ok;
+    const float partial = prefill_chunk_partial(p, chunk, length, [&](std::int32_t i) {
+      const float x = in.probs(b, q, i, p);  // row i: consecutive threads read consecutive columns
+      code = kvevict::detail::lower_code(code, classify_input(x, true));
+      return x;
+    });
+    partials[partial_offset(chunk) + p] = partial;
+    if (code != batch_code::ok) {
+      report(status, pack_status(b, h, p, code));
+      mark_bad(ws, entry);
+    }
+  }
+}
+
+/// Shared memory of the queries kernel: the tile's keys (rows padded by one
+/// element against bank conflicts), the staged query rows and their LSE.
+template <class Q, class T>
+struct query_tile_layout {
+  std::size_t key_bytes, query_bytes, lse_bytes;
+  KVEVICT_HOST_DEVICE explicit query_tile_layout(std::int32_t head_dim)
+      : key_bytes(round16(std::size_t(kPrefillKeys) * std::size_t(head_dim + 1) * sizeof(T))),
+        query_bytes(round16(std::size_t(kPrefillQueryRows) * std::size_t(head_dim) * sizeof(Q))),
+        lse_bytes(std::size_t(kPrefillQueryRows) * sizeof(float)) {}
+  KVEVICT_HOST_DEVICE std::size_t total() const { return key_bytes + query_bytes + lse_bytes; }
+  KVEVICT_HOST_DEVICE static std::size_t round16(std::size_t x) { return (x + 15) / 16 * 16; }
+};
+
+/// Chunk partials from queries + LSE and the cached keys; the same grid as
+/// the probs kernel with kPrefillKeys columns per tile.
+template <int Threads, class Q, class T, class Layout>
+__global__ void __launch_bounds__(Threads)
+    prefill_query_partials_kernel(batch_state_view st, active_set active, prompt_lengths prompts,
+                                  batch_prefill_queries<Q> in, kv_view<T, Layout> cache, prefill_workspace ws,
+                                  std::int32_t tiles, std::uint64_t* status) {
+  static_assert(Threads == kPrefillKeys, "a thread per key of the tile");
+  extern __shared__ __align__(16) unsigned char tile_memory[];
+  const std::int32_t d = cache.head_dim, key_stride = d + 1;
+  const query_tile_layout<Q, T> layout(d);
+  T* keys = reinterpret_cast<T*>(tile_memory);
+  Q* queries = reinterpret_cast<Q*>(tile_memory + layout.key_bytes);
+  float* lse = reinterpret_cast<float*>(tile_memory + layout.key_bytes + layout.query_bytes);
+
+  const std::int32_t pair = static_cast<std::int32_t>(blockIdx.x) / tiles;
+  const std::int32_t tile = static_cast<std::int32_t>(blockIdx.x) % tiles;
+  const std::int32_t entry = pair / st.num_q_heads, q = pair % st.num_q_heads, h = q / st.group_size();
+  const std::int32_t b = active.sequence(entry, st.num_seqs());
+  if (b < 0 || ws.head_refused[std::int64_t{entry} * st.num_heads() + h]) return;  // the whole block
+  const std::int32_t length = prompts.lengths[b];
+  const std::int32_t first = tile * Threads;
+  if (first >= length) return;  // the whole block
+  const std::int32_t t = static_cast<std::int32_t>(threadIdx.x), p = first + t;
+  const std::int32_t tile_keys = length - first < Threads ? length - first : Threads;
+  for (std::int32_t x = t; x < tile_keys * d; x += Threads) {
+    const std::int32_t r = x / d, e = x - r * d;
+    keys[r * key_stride + e] = cache.k_row(b, h, first + r)[e];
+  }
+  float* partials = ws.partials + std::int64_t{pair} * ws.per_pair;
+  for (std::int32_t chunk = static_cast<std::int32_t>(blockIdx.y); chunk < prefill_chunks(length);
+       chunk += static_cast<std::int32_t>(gridDim.y)) {
+    const std::int32_t chunk_first = chunk * prefill_chunk_rows;
+    const std::int32_t chunk_end = chunk_first + prefill_chunk_rows < length ? chunk_first + prefill_chunk_rows : length;
+    if (chunk_end <= first) continue;  // every row lies above the tile's columns: the whole block
+    prefill_accumulator acc;           // this thread's partial, rows in ascending order
+    batch_code code = batch_code::ok;
+    for (std::int32_t r0 = chunk_first > first ? chunk_first : first; r0 < chunk_end; r0 += kPrefillQueryRows) {
+      const std::int32_t rows = chunk_end - r0 < kPrefillQueryRows ? chunk_end - r0 : kPrefillQueryRows;
+      __syncthreads();  // the keys are in; the previous rows are no longer read
+      for (std::int32_t x = t; x < rows * d; x += Threads) {
+        const std::int32_t r = x / d, e = x - r * d;
+        queries[r * d + e] = in.q(b, q, r0 + r, e);
+      }
+      for (std::int32_t r = t; r < rows; r += Threads) lse[r] = in.lse(b, q, r0 + r);
+      __syncthreads();
+      if (p < length)
+        for (std::int32_t r = 0; r < rows; ++r) {
+          if (r0 + r < p) continue;
+          const float x = kvevict::detail::prefill_query_value(queries + r * d, 1, keys + t * key_stride, d, in.scale,
+                                                               lse[r], in.base);
+          code = kvevict::detail::lower_code(code, classify_input(x, true));
+          acc.add(x);
+        }
+    }
+    if (p < length && acc.started) {
+      partials[partial_offset(chunk) + p] = acc.sum;
+      if (code != batch_code::ok) {
+        report(status, pack_status(b, h, p, code));
+        mark_bad(ws, entry);
+      }
+    }
+  }
+}
+
+/// A thread per (entry, head, column): the column total of each query head
+/// from its partials, folded over the group. blockIdx.x = segment * tiles + tile.
+template <int Threads>
+__global__ void __launch_bounds__(Threads)
+    prefill_combine_kernel(batch_state_view st, active_set active, prompt_lengths prompts, prefill_workspace ws,
+                           std::int32_t tiles, std::uint64_t* status) {
+  const std::int32_t segment = static_cast<std::int32_t>(blockIdx.x) / tiles;
+  const std::int32_t tile = static_cast<std::int32_t>(blockIdx.x) % tiles;
+  const std::int32_t entry = segment / st.num_heads(), h = segment % st.num_heads(), g = st.group_size();
+  const std::int32_t b = active.sequence(entry, st.num_seqs());
+  if (b < 0 || ws.head_refused[segment]) return;
+  const std::int32_t length = prompts.lengths[b];
+  const std::int32_t p = tile * Threads + static_cast<std::int32_t>(threadIdx.x);
+  if (p >= length) return;
+  const float* group = ws.partials + (std::int64_t{entry} * st.num_q_heads + std::int64_t{h} * g) * ws.per_pair;
+  const slot_increment inc = kvevict::detail::fold_prefill_column(h * g, g, st.rule.reduce, [&](std::int32_t q) {
+    const float* part = group + std::int64_t{q - h * g} * ws.per_pair;
+    return prefill_combine_chunks(p, length, [&](std::int32_t c) { return part[partial_offset(c) + p]; });
+  });
+  ws.scores[std::int64_t{segment} * ws.max_length + p] = inc.value;
+  if (inc.code != batch_code::ok) {
+    report(status, pack_status(b, h, p, inc.code));
+    mark_bad(ws, entry);
+  }
+}
+
+/// The same from column sums the engine computed: elements checked here.
+template <int Threads>
+__global__ void __launch_bounds__(Threads)
+    prefill_sums_kernel(batch_state_view st, active_set active, prompt_lengths prompts, batch_prefill_sums in,
+                        prefill_workspace ws, std::int32_t tiles, std::uint64_t* status) {
+  const std::int32_t segment = static_cast<std::int32_t>(blockIdx.x) / tiles;
+  const std::int32_t tile = static_cast<std::int32_t>(blockIdx.x) % tiles;
+  const std::int32_t entry = segment / st.num_heads(), h = segment % st.num_heads(), g = st.group_size();
+  const std::int32_t b = active.sequence(entry, st.num_seqs());
+  if (b < 0 || ws.head_refused[segment]) return;
+  const std::int32_t length = prompts.lengths[b];
+  const std::int32_t p = tile * Threads + static_cast<std::int32_t>(threadIdx.x);
+  if (p >= length) return;
+  batch_code code = batch_code::ok;
+  for (std::int32_t q = h * g; q < (h + 1) * g; ++q)
+    code = kvevict::detail::lower_code(code, classify_input(in.sums(b, q, p), true));
+  const slot_increment inc = kvevict::detail::fold_prefill_column(
+      h * g, g, st.rule.reduce, [&](std::int32_t q) { return in.sums(b, q, p); });
+  ws.scores[std::int64_t{segment} * ws.max_length + p] = inc.value;
+  code = kvevict::detail::lower_code(code, inc.code);
+  if (code != batch_code::ok) {
+    report(status, pack_status(b, h, p, code));
+    mark_bad(ws, entry);
+  }
+}
+
+// ---- the scoring step per input ----
+
+struct scoring_none {
+  static constexpr bool has_scores = false, has_partials = false;
+  cudaError_t launch(const prefill_launch&) const { return cudaSuccess; }
+  void require_grid(const kvevict::detail::site&, std::int64_t, const batch_state_view&, std::int32_t) const {}
+};
+
+/// The combine step of probs and queries: a thread per (entry, head, column).
+inline cudaError_t launch_combine(const prefill_launch& l) {
+  const std::int32_t tiles = tiles_of(l.prompts.max_length, kPrefillColumns);
+  const std::int64_t blocks = std::int64_t{l.entries} * l.st.num_heads() * tiles;
+  prefill_combine_kernel<kPrefillColumns><<<static_cast<unsigned>(blocks), kPrefillColumns, 0, l.stream>>>(
+      l.st, l.active, l.prompts, l.ws, tiles, l.status);
+  return cudaGetLastError();
+}
+
+inline dim3 partials_grid(std::int64_t blocks, std::int32_t max_length) {
+  const unsigned chunks = static_cast<unsigned>(prefill_chunks(max_length));
+  return dim3(static_cast<unsigned>(blocks), chunks < kMaxGridY ? chunks : kMaxGridY, 1);
+}
+
+struct scoring_probs {
+  static constexpr bool has_scores = true, has_partials = true;
+  batch_prefill_probs in;
+
+  void require_grid(const kvevict::detail::site& w, std::int64_t entries, const batch_state_view& st,
+                    std::int32_t max_length) const {
+    require_blocks(w, entries * st.num_q_heads * tiles_of(max_length, kPrefillColumns));
+    require_blocks(w, entries * st.num_heads() * tiles_of(max_length, kPrefillColumns));
+  }
+  cudaError_t launch(const prefill_launch& l) const {
+    const std::int32_t tiles = tiles_of(l.prompts.max_length, kPrefillColumns);
+    const std::int64_t blocks = std::int64_t{l.entries} * l.st.num_q_heads * tiles;
+    prefill_probs_partials_kernel<kPrefillColumns><<<partials_grid(blocks, l.prompts.max_length), kPrefillColumns, 0,
+                                                     l.stream>>>(l.st, l.active, l.prompts, in, l.ws, tiles, l.status);
+    const cudaError_t e = cudaGetLastError();
+    return e == cudaSuccess ? launch_combine(l) : e;
+  }
+};
+
+template <class Q, class T, class Layout>
+struct scoring_queries {
+  static constexpr bool has_scores = true, has_partials = true;
+  batch_prefill_queries<Q> in;
+  kv_view<T, Layout> cache;
+
+  void require_grid(const kvevict::detail::site& w, std::int64_t entries, const batch_state_view& st,
+                    std::int32_t max_length) const {
+    require_blocks(w, entries * st.num_q_heads * tiles_of(max_length, kPrefillKeys));
+    require_blocks(w, entries * st.num_heads() * tiles_of(max_length, kPrefillColumns));
+  }
+  cudaError_t launch(const prefill_launch& l) const {
+    const std::int32_t tiles = tiles_of(l.prompts.max_length, kPrefillKeys);
+    const std::int64_t blocks = std::int64_t{l.entries} * l.st.num_q_heads * tiles;
+    const std::size_t shared = query_tile_layout<Q, T>(cache.head_dim).total();
+    const auto kernel = prefill_query_partials_kernel<kPrefillKeys, Q, T, Layout>;
+    if (shared > 48 * 1024) {  // beyond the default: opt in (up to the device's limit, or the launch fails)
+      const cudaError_t e =
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared));
+      if (e != cudaSuccess) return e;
+    }
+    kernel<<<partials_grid(blocks, l.prompts.max_length), kPrefillKeys, shared, l.stream>>>(
+        l.st, l.active, l.prompts, in, cache, l.ws, tiles, l.status);
+    const cudaError_t e = cudaGetLastError();
+    return e == cudaSuccess ? launch_combine(l) : e;
+  }
+};
+
+struct scoring_sums {
+  static constexpr bool has_scores = true, has_partials = false;
+  batch_prefill_sums in;
+
+  void require_grid(const kvevict::detail::site& w, std::int64_t entries, const batch_state_view& st,
+                    std::int32_t max_length) const {
+    require_blocks(w, entries * st.num_heads() * tiles_of(max_length, kPrefillColumns));
+  }
+  cudaError_t launch(const prefill_launch& l) const {
+    const std::int32_t tiles = tiles_of(l.prompts.max_length, kPrefillColumns);
+    const std::int64_t blocks = std::int64_t{l.entries} * l.st.num_heads() * tiles;
+    prefill_sums_kernel<kPrefillColumns><<<static_cast<unsigned>(blocks), kPrefillColumns, 0, l.stream>>>(
+        l.st, l.active, l.prompts, in, l.ws, tiles, l.status);
+    return cudaGetLastError();
+  }
+};
+
+}  // namespace detail
+}  // namespace gpu
+}  // namespace kvevict
