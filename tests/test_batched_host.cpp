@@ -399,7 +399,17 @@ TEST_CASE("batched status: overflowing scores, bad pages in append, exact_greedy
     const batch_queries<float> in{make_tensor_view<const float>(q.data(), 1, 1, 2),
                                   make_tensor_view<const float>(lse.data(), 1, 1), 1.0f};
     layer.append(cache.view(), rows, rows);
-    layer.append(cache.view(), rows, rows);  // two appends, one observe: the history would have a gap
+    layer.append(cache.view(), rows, rows);  // two appends, one observe: both rows are still cached
+    layer.observe_evict(in, cache.view());
+    layer.check();
+    CHECK(layer.state().history.rows[0] == 2);
+    layer.reset(active_set::all());
+    // A position that left the cache before it was recorded (an engine that
+    // edited the slot table) would leave a gap in the history: refused.
+    layer.append(cache.view(), rows, rows);
+    layer.append(cache.view(), rows, rows);
+    layer.state().slots.positions_of(0, 0)[1] = -1;  // position 1 gone, unrecorded
+    layer.state().slots.counts[0] = 1;
     layer.observe_evict(in, cache.view());
     CHECK(batch_status::unpack(layer.status_word()).code == batch_code::history_gap);
     CHECK(layer.state().history.rows[0] == 0);

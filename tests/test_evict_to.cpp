@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <random>
 #include <set>
 #include <type_traits>
@@ -313,23 +314,47 @@ TEST_CASE("multi-token append and evict_to refuse bad input and change nothing")
 
 namespace {
 
+/// A K/V element of the batched streams: a hash of (position, head, d,
+/// which) on a 1/32 grid in [-1, 1], so every token has a row of its own and
+/// exact_greedy's errors rarely tie.
+float hashed_value(std::int32_t position, std::int32_t h, std::int32_t d, std::uint32_t which) {
+  std::uint32_t x = std::uint32_t(position) * 0x9E3779B1u ^ std::uint32_t(h) * 0x85EBCA77u ^
+                    std::uint32_t(d) * 0xC2B2AE3Du ^ which * 0x27D4EB2Fu;
+  x ^= x >> 15;
+  x *= 0x2C1B3C6Du;
+  x ^= x >> 12;
+  return static_cast<float>(std::int32_t(x % 65u) - 32) / 32.0f;
+}
+
 /// Runs per-sequence Policy and the batched host backend side by side
 /// through multi-token steps on a cache of dtype T and layout `layout`;
-/// slot tables, scores and K/V bytes must match after every call.
+/// slot tables, scores and K/V bytes must match after every call. Odd steps
+/// take evict_to's moves form (the test moves the rows). exact_greedy
+/// observes queries (batched_observe_evict records every appended row) and
+/// its batched evict_to re-scores with them.
 template <class Policy, class T>
 void run_batched_parity(kvtest::layout_kind layout, const typename kv::policy_traits<Policy>::config_type& config,
                         std::uint32_t seed) {
+  constexpr bool greedy = std::is_same_v<Policy, kv::exact_greedy_policy>;
   const std::int32_t cap = 16;
   const kv::policy_shape shape = shape_of(cap);
+  const kv::history_extent history = greedy ? kv::history_extent{128, kDim} : kv::history_extent{};
   Policy single(shape, config);
-  std::vector<unsigned char> memory(kv::batch_state_bytes<Policy>(shape, config));
-  const kv::batch_state_view st = kv::make_batch_state<Policy>(memory.data(), memory.size(), shape, config);
+  std::vector<unsigned char> memory(kv::batch_state_bytes<Policy>(shape, config, history));
+  const kv::batch_state_view st = kv::make_batch_state<Policy>(memory.data(), memory.size(), shape, config, history);
   kv::init_batch_state(st);
   std::mt19937 rng(seed);
   kvtest::with_cache<T>(layout, kSeqs, kHeads, cap, kDim, 4, [&](auto view_a) {
     kvtest::with_cache<T>(layout, kSeqs, kHeads, cap, kDim, 4, [&](auto view_b) {
       std::vector<float> inc(std::size_t(kSeqs) * kHeads * cap);
+      std::vector<float> q(std::size_t(kSeqs) * kHeads * kGroup * kDim), lse(std::size_t(kSeqs) * kHeads * kGroup);
+      const kv::batch_queries<float> queries{kv::make_tensor_view<const float>(q.data(), kSeqs, kHeads * kGroup, kDim),
+                                             kv::make_tensor_view<const float>(lse.data(), kSeqs, kHeads * kGroup),
+                                             0.5f};
+      std::vector<kv::slot_move> moves(std::size_t(kSeqs) * kHeads * cap);
+      std::vector<std::int32_t> move_counts(std::size_t(kSeqs) * kHeads, -1);
       std::uint64_t status = kv::batch_status_clear;
+      std::int32_t freed_total = 0;
       for (std::int32_t step = 0; step < 25; ++step) {
         const std::int32_t tokens = 1 + std::int32_t(rng() % 4);
         std::vector<std::uint8_t> flags(kSeqs, 0);
@@ -344,7 +369,8 @@ void run_batched_parity(kvtest::layout_kind layout, const typename kv::policy_tr
           for (std::int32_t h = 0; h < kHeads; ++h)
             for (std::int32_t j = 0; j < tokens; ++j)
               for (std::int32_t d = 0; d < kDim; ++d) {
-                const T k = kv::from_float<T>(row_value(first + j, h, d)), v = kv::from_float<T>(-row_value(first + j, h, d));
+                const T k = kv::from_float<T>(hashed_value(first + j, h, d, seed));
+                const T v = kv::from_float<T>(hashed_value(first + j, h, d, ~seed));
                 const std::int32_t s = slots[std::size_t(h * tokens + j)];
                 view_a.k_row(b, h, s)[d] = k;
                 view_a.v_row(b, h, s)[d] = v;
@@ -353,22 +379,57 @@ void run_batched_parity(kvtest::layout_kind layout, const typename kv::policy_tr
               }
         }
         for (float& x : inc) x = static_cast<float>(rng() % 8) / 8.0f;
-        kv::batched_observe_evict(st, active, kv::batch_head_scores{kv::make_tensor_view<const float>(inc.data(), kSeqs, kHeads, cap)},
-                                  nullptr, &status);
-        for (std::int32_t b = 0; b < kSeqs; ++b)
-          if (flags[std::size_t(b)]) {
-            single.observe(b, kv::head_scores{kv::make_tensor_view<const float>(inc.data() + std::size_t(b) * kHeads * cap, kHeads, cap)});
+        for (float& x : q) x = static_cast<float>(rng() % 33) / 16.0f - 1.0f;
+        if constexpr (greedy) {
+          kv::batched_observe_evict(st, active, queries, view_b, nullptr, &status);
+        } else {
+          kv::batched_observe_evict(
+              st, active, kv::batch_head_scores{kv::make_tensor_view<const float>(inc.data(), kSeqs, kHeads, cap)},
+              nullptr, &status);
+        }
+        const std::int32_t target = single.budget() - std::int32_t(rng() % 2);
+        for (std::int32_t b = 0; b < kSeqs; ++b) {
+          if (!flags[std::size_t(b)]) continue;
+          if constexpr (greedy) {
+            // evict_to right after observe: its first victim is evict's (the
+            // one batched observe + evict freed), and it re-scores before
+            // each further one, as the batched pair does.
+            const std::size_t rows = std::size_t(b) * kHeads * kGroup;
+            single.observe(b,
+                           kv::decode_queries<float>{
+                               kv::make_tensor_view<const float>(q.data() + rows * kDim, kHeads * kGroup, kDim),
+                               kv::make_tensor_view<const float>(lse.data() + rows, kHeads * kGroup), 0.5f},
+                           view_a);
+          } else {
+            single.observe(b, kv::head_scores{kv::make_tensor_view<const float>(
+                                  inc.data() + std::size_t(b) * kHeads * cap, kHeads, cap)});
             single.evict(b);
           }
-        const std::int32_t target = single.budget() - std::int32_t(rng() % 2);
-        kv::batched_evict_to(st, active, target, view_b, nullptr, &status);
-        for (std::int32_t b = 0; b < kSeqs; ++b)
-          if (flags[std::size_t(b)]) single.evict_to(b, target, view_a);
+          freed_total += single.evict_to(b, target, view_a);
+        }
+        if (step % 2 == 0) {
+          if constexpr (greedy) kv::batched_evict_to(st, active, target, queries, view_b, nullptr, &status);
+          else kv::batched_evict_to(st, active, target, view_b, nullptr, &status);
+        } else {
+          if constexpr (greedy) kv::batched_evict_to(st, active, target, queries, moves.data(), move_counts.data(), &status);
+          else kv::batched_evict_to(st, active, target, moves.data(), move_counts.data(), &status);
+          for (std::int32_t b = 0; b < kSeqs; ++b)
+            for (std::int32_t h = 0; h < kHeads; ++h) {
+              const std::int64_t bh = st.head_index(b, h);
+              if (!flags[std::size_t(b)]) continue;
+              for (std::int32_t i = 0; i < move_counts[std::size_t(bh)]; ++i) {
+                const kv::slot_move m = moves[std::size_t(bh) * cap + std::size_t(i)];
+                std::copy_n(view_b.k_row(b, h, m.from), kDim, view_b.k_row(b, h, m.to));
+                std::copy_n(view_b.v_row(b, h, m.from), kDim, view_b.v_row(b, h, m.to));
+              }
+            }
+        }
         REQUIRE(status == kv::batch_status_clear);
         for (std::int32_t b = 0; b < kSeqs; ++b)
           for (std::int32_t h = 0; h < kHeads; ++h) {
             CHECK(st.slots.counts[st.head_index(b, h)] == single.slots().count(b, h));
             CHECK(st.slots.next_slots[st.head_index(b, h)] == single.next_slot(b, h));
+            if constexpr (greedy) CHECK(st.history.rows[st.head_index(b, h)] == single.history_length(b, h));
             for (std::int32_t s = 0; s < cap; ++s) {
               CHECK(st.slots.positions_of(b, h)[s] == single.slots().position(b, h, s));
               CHECK(st.scores_of(b, h)[s] == single.score(b, h, s));
@@ -379,6 +440,7 @@ void run_batched_parity(kvtest::layout_kind layout, const typename kv::policy_tr
             }
           }
       }
+      CHECK(freed_total > 0);  // the streams did evict
     });
   });
 }
@@ -391,6 +453,7 @@ void batched_parity_all_layouts() {
       run_batched_parity<kv::h2o_policy, T>(layout, {6, 3}, seed);
       run_batched_parity<kv::recent_window_policy, T>(layout, {2, 7}, seed);
       run_batched_parity<kv::random_policy, T>(layout, {9, 1, 2, 77}, seed);
+      run_batched_parity<kv::exact_greedy_policy, T>(layout, {9, 2, 1}, seed);
     }
 }
 
@@ -402,7 +465,7 @@ TEST_CASE("batched multi-token append and evict_to equal the per-sequence polici
   batched_parity_all_layouts<kv::bfloat16>();
 }
 
-TEST_CASE("batched evict_to: an unobserved head is refused and left unchanged; exact_greedy is per sequence") {
+TEST_CASE("batched evict_to: an unobserved head is refused and left unchanged; exact_greedy takes the queries") {
   const kv::policy_shape shape = shape_of(12);
   const kv::h2o_config config{5, 2};
   std::vector<unsigned char> memory(kv::batch_state_bytes<kv::h2o_policy>(shape, config));
@@ -422,12 +485,87 @@ TEST_CASE("batched evict_to: an unobserved head is refused and left unchanged; e
   CHECK(st.slots.counts[0] == 10);
   CHECK_THROWS_AS(kv::batched_evict_to(st, kv::active_set::all(), 1, moves.data(), counts.data(), &status),
                   kv::budget_error);
+
+  // exact_greedy: the overloads without queries refuse it, the ones with
+  // queries refuse the other policies.
   const kv::exact_greedy_config eg{6, 1, 1};
-  const kv::history_extent hist{16, kDim};
+  const kv::history_extent hist{32, kDim};
   std::vector<unsigned char> eg_memory(kv::batch_state_bytes<kv::exact_greedy_policy>(shape, eg, hist));
   const kv::batch_state_view eg_state =
       kv::make_batch_state<kv::exact_greedy_policy>(eg_memory.data(), eg_memory.size(), shape, eg, hist);
   kv::init_batch_state(eg_state);
-  CHECK_THROWS_AS(kv::batched_evict_to(eg_state, kv::active_set::all(), 6, moves.data(), counts.data(), &status),
+  auto cache = kv::make_bhsd_cache<float>(kSeqs, kHeads, 12, kDim);
+  std::mt19937 rng(3);
+  for (auto& x : cache.k_storage()) x = static_cast<float>(rng() % 33) / 16.0f - 1.0f;
+  for (auto& x : cache.v_storage()) x = static_cast<float>(rng() % 33) / 16.0f - 1.0f;
+  std::vector<float> q(std::size_t(kSeqs) * kHeads * kGroup * kDim, 0.25f), lse(std::size_t(kSeqs) * kHeads * kGroup);
+  const kv::batch_queries<float> queries{kv::make_tensor_view<const float>(q.data(), kSeqs, kHeads * kGroup, kDim),
+                                         kv::make_tensor_view<const float>(lse.data(), kSeqs, kHeads * kGroup), 0.5f};
+  CHECK_THROWS_WITH_AS(kv::batched_evict_to(eg_state, kv::active_set::all(), 6, moves.data(), counts.data(), &status),
+                       doctest::Contains("batch_queries"), kv::invalid_argument);
+  CHECK_THROWS_WITH_AS(kv::batched_evict_to(eg_state, kv::active_set::all(), 6, cache.view(), nullptr, &status),
+                       doctest::Contains("batch_queries"), kv::invalid_argument);
+  CHECK_THROWS_AS(kv::batched_evict_to(st, kv::active_set::all(), 7, queries, moves.data(), counts.data(), &status),
                   kv::invalid_argument);
+  CHECK_THROWS_AS(kv::batched_evict_to(st, kv::active_set::all(), 7, queries, cache.view(), nullptr, &status),
+                  kv::invalid_argument);
+
+  // Snapshot of everything evict_to may change, to prove refusals change nothing.
+  const auto snapshot = [&] {
+    std::vector<float> out;
+    for (std::int32_t b = 0; b < kSeqs; ++b)
+      for (std::int32_t h = 0; h < kHeads; ++h) {
+        const std::int64_t bh = eg_state.head_index(b, h);
+        out.push_back(float(eg_state.slots.counts[bh]));
+        out.push_back(float(eg_state.slots.next_slots[bh]));
+        for (std::int32_t s = 0; s < 12; ++s) {
+          out.push_back(float(eg_state.slots.positions_of(b, h)[s]));
+          out.push_back(eg_state.scores_of(b, h)[s]);
+        }
+      }
+    out.insert(out.end(), cache.k_storage().begin(), cache.k_storage().end());
+    return out;
+  };
+  status = kv::batch_status_clear;
+  kv::batched_append_tokens(eg_state, kv::active_set::all(), 9, &status);
+  REQUIRE(status == kv::batch_status_clear);
+  std::vector<float> before = snapshot();
+  kv::batched_evict_to(eg_state, kv::active_set::all(), 6, queries, cache.view(), nullptr, &status);
+  CHECK(kv::batch_status::unpack(status).code == kv::batch_code::not_observed);
+  CHECK(snapshot() == before);
+  status = kv::batch_status_clear;
+  kv::batched_observe_evict(eg_state, kv::active_set::all(), queries, cache.view(), nullptr, &status);
+  REQUIRE(status == kv::batch_status_clear);
+  CHECK(eg_state.history.rows[0] == 9);  // all nine appended rows recorded
+  CHECK(eg_state.slots.counts[0] == 8);  // observe + evict freed one above the budget
+  before = snapshot();
+  // Arguments: a bad target, queries of the wrong shape, null moves.
+  CHECK_THROWS_AS(kv::batched_evict_to(eg_state, kv::active_set::all(), 1, queries, cache.view(), nullptr, &status),
+                  kv::budget_error);
+  const kv::batch_queries<float> narrow{
+      kv::make_tensor_view<const float>(q.data(), kSeqs, kHeads * kGroup, kDim - 1),
+      kv::make_tensor_view<const float>(lse.data(), kSeqs, kHeads * kGroup), 0.5f};
+  CHECK_THROWS_AS(kv::batched_evict_to(eg_state, kv::active_set::all(), 6, narrow, cache.view(), nullptr, &status),
+                  kv::invalid_argument);
+  const kv::batch_queries<float> one_head{kv::make_tensor_view<const float>(q.data(), kSeqs, kHeads, kDim),
+                                          kv::make_tensor_view<const float>(lse.data(), kSeqs, kHeads), 0.5f};
+  CHECK_THROWS_AS(kv::batched_evict_to(eg_state, kv::active_set::all(), 6, one_head, moves.data(), counts.data(),
+                                       &status),
+                  kv::invalid_argument);
+  CHECK_THROWS_AS(kv::batched_evict_to(eg_state, kv::active_set::all(), 6, queries, nullptr, counts.data(), &status),
+                  kv::invalid_argument);
+  CHECK(status == kv::batch_status_clear);
+  CHECK(snapshot() == before);
+  // A non-finite query of sequence 1, query head 3 (KV head 1): that head is
+  // refused and unchanged, the others step.
+  q[(std::size_t(1) * kHeads * kGroup + 3) * kDim + 2] = std::numeric_limits<float>::infinity();
+  kv::batched_evict_to(eg_state, kv::active_set::all(), 6, queries, cache.view(), nullptr, &status);
+  const kv::batch_status refused = kv::batch_status::unpack(status);
+  CHECK(refused.code == kv::batch_code::non_finite_query);
+  CHECK(refused.sequence == 1);
+  CHECK(refused.head == 1);
+  CHECK(refused.index == 3);
+  CHECK(eg_state.slots.counts[eg_state.head_index(1, 1)] == 8);
+  CHECK(eg_state.slots.counts[eg_state.head_index(1, 0)] == 6);
+  CHECK(eg_state.slots.counts[eg_state.head_index(0, 1)] == 6);
 }

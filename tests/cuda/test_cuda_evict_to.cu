@@ -1,6 +1,9 @@
 // Multi-token steps on CUDA against the host backend: the append of several
 // tokens and evict_to (rows moved in the cache, or moves reported) give the
-// host's state, moves and K/V bytes, per policy x dtype x layout.
+// host's state, moves and K/V bytes, per policy x dtype x layout. exact_greedy
+// observes queries (every appended row joins the history) and its evict_to
+// re-scores with them: scores, victims and history rows must be the host's
+// bit for bit.
 #include <doctest/doctest.h>
 
 #include <cuda_runtime.h>
@@ -8,6 +11,7 @@
 #include <cstdint>
 #include <cstring>
 #include <random>
+#include <type_traits>
 #include <vector>
 
 #include "kvevict/batch/multi_token.hpp"
@@ -26,16 +30,20 @@ constexpr std::int32_t kSeqs = 4, kHeads = 3, kDim = 16, kCap = 24;
 template <class Policy, class T>
 void run_multi_token(kvtest::layout_kind layout, const typename kv::policy_traits<Policy>::config_type& config,
                      std::uint32_t seed) {
-  const kv::policy_shape shape{kSeqs, kHeads, kHeads, kCap};
+  constexpr bool greedy = std::is_same_v<Policy, kv::exact_greedy_policy>;
+  constexpr std::int32_t kGroup = greedy ? 2 : 1;  // exact_greedy sums its errors over a GQA group
+  const kv::policy_shape shape{kSeqs, kHeads, kHeads * kGroup, kCap};
+  const kv::history_extent history = greedy ? kv::history_extent{128, kDim} : kv::history_extent{};
   const std::int32_t budget = kv::policy_traits<Policy>::rule(config).budget;
-  std::vector<unsigned char> host_memory(kv::batch_state_bytes<Policy>(shape, config));
-  const kv::batch_state_view host = kv::make_batch_state<Policy>(host_memory.data(), host_memory.size(), shape, config);
+  std::vector<unsigned char> host_memory(kv::batch_state_bytes<Policy>(shape, config, history));
+  const kv::batch_state_view host =
+      kv::make_batch_state<Policy>(host_memory.data(), host_memory.size(), shape, config, history);
   kv::init_batch_state(host);
   device_buffer<unsigned char> device_memory(host_memory.size());
   const kv::batch_state_view device =
-      kv::make_batch_state<Policy>(device_memory.get(), host_memory.size(), shape, config);
+      kv::make_batch_state<Policy>(device_memory.get(), host_memory.size(), shape, config, history);
   KVTEST_CUDA(kv::gpu::init_batch_state(device, nullptr));
-  kvtest::host_state_mirror<Policy> mirror(shape, config);
+  kvtest::host_state_mirror<Policy> mirror(shape, config, history);
   std::mt19937 rng(seed);
   kvtest::with_cache<T>(layout, kSeqs, kHeads, kCap, kDim, 4, [&](auto view) {
     for (std::int32_t b = 0; b < kSeqs; ++b)
@@ -49,6 +57,14 @@ void run_multi_token(kvtest::layout_kind layout, const typename kv::policy_trait
     kvtest::device_cache<T, decltype(view.layout)> cache(view);
     std::vector<float> inc(std::size_t(kSeqs) * kHeads * kCap);
     device_buffer<float> d_inc(inc.size());
+    std::vector<float> q(std::size_t(kSeqs) * kHeads * kGroup * kDim), lse(std::size_t(kSeqs) * kHeads * kGroup);
+    device_buffer<float> d_q(q.size()), d_lse(std::vector<float>(lse.size(), 0.0f));
+    const auto queries_of = [&](const float* qs, const float* lses) {
+      return kv::batch_queries<float>{kv::make_tensor_view<const float>(qs, kSeqs, kHeads * kGroup, kDim),
+                                      kv::make_tensor_view<const float>(lses, kSeqs, kHeads * kGroup), 0.5f};
+    };
+    const kv::batch_queries<float> host_queries = queries_of(q.data(), lse.data());
+    const kv::batch_queries<float> device_queries = queries_of(d_q.get(), d_lse.get());
     std::vector<std::uint8_t> flags(kSeqs);
     device_buffer<std::uint8_t> d_flags(flags.size());
     std::vector<kv::slot_move> moves(std::size_t(kSeqs) * kHeads * kCap);
@@ -67,22 +83,43 @@ void run_multi_token(kvtest::layout_kind layout, const typename kv::policy_trait
       KVTEST_CUDA(kv::gpu::batched_append_tokens(device, active_device, tokens, d_status.get(), nullptr));
       for (float& x : inc) x = static_cast<float>(rng() % 8) / 8.0f;
       d_inc.upload(inc);
-      kv::batched_observe_evict(
-          host, active_host, kv::batch_head_scores{kv::make_tensor_view<const float>(inc.data(), kSeqs, kHeads, kCap)},
-          nullptr, &host_status);
-      KVTEST_CUDA(kv::gpu::batched_observe_evict(
-          device, active_device,
-          kv::batch_head_scores{kv::make_tensor_view<const float>(d_inc.get(), kSeqs, kHeads, kCap)}, nullptr,
-          d_status.get(), nullptr));
+      for (float& x : q) x = static_cast<float>(rng() % 33) / 16.0f - 1.0f;
+      d_q.upload(q);
+      if constexpr (greedy) {
+        kv::batched_observe_evict(host, active_host, host_queries, view, nullptr, &host_status);
+        KVTEST_CUDA(kv::gpu::batched_observe_evict(device, active_device, device_queries, cache.view, nullptr,
+                                                   d_status.get(), nullptr));
+      } else {
+        kv::batched_observe_evict(
+            host, active_host,
+            kv::batch_head_scores{kv::make_tensor_view<const float>(inc.data(), kSeqs, kHeads, kCap)}, nullptr,
+            &host_status);
+        KVTEST_CUDA(kv::gpu::batched_observe_evict(
+            device, active_device,
+            kv::batch_head_scores{kv::make_tensor_view<const float>(d_inc.get(), kSeqs, kHeads, kCap)}, nullptr,
+            d_status.get(), nullptr));
+      }
       const std::int32_t target = budget - std::int32_t(rng() % 3);
       if (step % 2 == 0) {
-        kv::batched_evict_to(host, active_host, target, view, counts.data(), &host_status);
-        KVTEST_CUDA(kv::gpu::batched_evict_to(device, active_device, target, cache.view, d_counts.get(), d_status.get(),
-                                              nullptr));
+        if constexpr (greedy) {
+          kv::batched_evict_to(host, active_host, target, host_queries, view, counts.data(), &host_status);
+          KVTEST_CUDA(kv::gpu::batched_evict_to(device, active_device, target, device_queries, cache.view,
+                                                d_counts.get(), d_status.get(), nullptr));
+        } else {
+          kv::batched_evict_to(host, active_host, target, view, counts.data(), &host_status);
+          KVTEST_CUDA(kv::gpu::batched_evict_to(device, active_device, target, cache.view, d_counts.get(),
+                                                d_status.get(), nullptr));
+        }
       } else {
-        kv::batched_evict_to(host, active_host, target, moves.data(), counts.data(), &host_status);
-        KVTEST_CUDA(kv::gpu::batched_evict_to(device, active_device, target, d_moves.get(), d_counts.get(),
-                                              d_status.get(), nullptr));
+        if constexpr (greedy) {
+          kv::batched_evict_to(host, active_host, target, host_queries, moves.data(), counts.data(), &host_status);
+          KVTEST_CUDA(kv::gpu::batched_evict_to(device, active_device, target, device_queries, d_moves.get(),
+                                                d_counts.get(), d_status.get(), nullptr));
+        } else {
+          kv::batched_evict_to(host, active_host, target, moves.data(), counts.data(), &host_status);
+          KVTEST_CUDA(kv::gpu::batched_evict_to(device, active_device, target, d_moves.get(), d_counts.get(),
+                                                d_status.get(), nullptr));
+        }
         const std::vector<kv::slot_move> got = d_moves.download();
         for (std::size_t bh = 0; bh < counts.size(); ++bh)
           for (std::int32_t i = 0; i < counts[bh]; ++i) {
@@ -93,8 +130,16 @@ void run_multi_token(kvtest::layout_kind layout, const typename kv::policy_trait
       KVTEST_CUDA(cudaDeviceSynchronize());
       CHECK(d_counts.download() == counts);
       CHECK(d_status.download()[0] == host_status);
+      REQUIRE(host_status == kv::batch_status_clear);  // the streams are valid: every head stepped
       mirror.read(device);
       kvtest::check_same_state(host, mirror.view);
+      if constexpr (greedy)  // the recorded history rows, bit for bit (the rest is uninitialised on the device)
+        for (std::int64_t bh = 0; bh < std::int64_t{kSeqs} * kHeads; ++bh) {
+          const std::size_t first = std::size_t(bh) * history.max_tokens * kDim;
+          const std::size_t bytes = std::size_t(host.history.rows[bh]) * kDim * sizeof(float);
+          CHECK(std::memcmp(mirror.view.history.keys + first, host.history.keys + first, bytes) == 0);
+          CHECK(std::memcmp(mirror.view.history.values + first, host.history.values + first, bytes) == 0);
+        }
       if (step % 2 == 0) CHECK(cache.same_bytes_as(view));
       else {  // the engine moves its rows: keep the device cache in step with the host's
         for (std::int32_t b = 0; b < kSeqs; ++b)
@@ -120,12 +165,14 @@ void all_policies_and_layouts() {
       run_multi_token<kv::h2o_policy, T>(layout, {8, 4}, seed);
       run_multi_token<kv::recent_window_policy, T>(layout, {2, 10}, seed);
       run_multi_token<kv::random_policy, T>(layout, {12, 1, 3, 4242}, seed);
+      run_multi_token<kv::exact_greedy_policy, T>(layout, {12, 3, 1}, seed);
     }
 }
 
 }  // namespace
 
 TEST_CASE("CUDA multi-token append and evict_to equal the host backend, every policy x dtype x layout") {
+  // exact_greedy included: multi-row observe and the greedy evict_to.
   all_policies_and_layouts<float>();
   all_policies_and_layouts<kv::half>();
   all_policies_and_layouts<kv::bfloat16>();

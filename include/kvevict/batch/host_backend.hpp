@@ -68,49 +68,92 @@ std::uint64_t observe_evict_head(const batch_state_view& st, std::int32_t b, std
   return batch_status_clear;
 }
 
-/// Observe + evict of one (b, h) for exact_greedy: record the newest row in
-/// the history, score every cached slot with its leave-one-out error, evict
-/// the lowest (score, position).
+/// exact_greedy's scores of (b, h): errors[i] = the leave-one-out error of
+/// cached position members[i] (i < n; the members are exactly the cached
+/// positions) summed over the query heads of group h in ascending order, as
+/// exact_greedy_policy sums, against history rows [0, length). Scratch: the
+/// history's cached flags and the front of its work.
+template <class Q>
+void group_leave_one_out(const batch_state_view& st, std::int32_t b, std::int32_t h, const batch_queries<Q>& in,
+                         const std::int32_t* members, std::int32_t n, std::int32_t length, double* errors) {
+  const history_view& hv = st.history;
+  const std::int64_t bh = st.head_index(b, h);
+  const std::int32_t g = st.group_size();
+  std::uint8_t* cached = hv.cached + bh * hv.max_tokens;
+  for (std::int32_t p = 0; p < length; ++p) cached[p] = 0;
+  for (std::int32_t i = 0; i < n; ++i) {
+    cached[members[i]] = 1;
+    errors[i] = 0.0;
+  }
+  const float* keys = hv.keys + bh * hv.max_tokens * hv.head_dim;
+  const float* values = hv.values + bh * hv.max_tokens * hv.head_dim;
+  for (std::int32_t q = h * g; q < (h + 1) * g; ++q)
+    leave_one_out_errors(&in.q(b, q, 0), in.q.strides[2], keys, values, hv.head_dim, in.scale, length, cached,
+                         members, n, errors, hv.work + bh * hv.work_doubles());
+}
+
+/// Where group_leave_one_out's errors go: the last `capacity` doubles of
+/// (b, h)'s work (leave_one_out_errors uses the front).
+inline double* leave_one_out_slot_errors(const batch_state_view& st, std::int64_t bh) noexcept {
+  const history_view& hv = st.history;
+  return hv.work + (bh + 1) * hv.work_doubles() - hv.capacity;
+}
+
+/// exact_greedy: the first problem of group h's query rows (non_finite_query
+/// of the lowest query head), or batch_status_clear.
+template <class Q>
+std::uint64_t query_problem(const batch_state_view& st, std::int32_t b, std::int32_t h, const batch_queries<Q>& in) {
+  const std::int32_t g = st.group_size();
+  for (std::int32_t q = h * g; q < (h + 1) * g; ++q)
+    for (std::int32_t i = 0; i < st.history.head_dim; ++i)
+      if (classify_input(to_float(in.q(b, q, i)), false) != batch_code::ok)
+        return pack_status(b, h, q, batch_code::non_finite_query);
+  return batch_status_clear;
+}
+
+/// Observe + evict of one (b, h) for exact_greedy: record every position not
+/// yet in the history (the tokens of the last append, one or several; each
+/// must still be cached) from the cache, score every cached slot with its
+/// leave-one-out error, evict the lowest (score, position). Checks, in the
+/// kernel's order: history, queries, pages of the new rows, their values.
 template <class Q, class T, class Layout>
 std::uint64_t exact_greedy_head(const batch_state_view& st, std::int32_t b, std::int32_t h,
                                 const batch_queries<Q>& in, const kv_view<T, Layout>& cache, std::int32_t& victim) {
   const history_view& hv = st.history;
   const std::int64_t bh = st.head_index(b, h);
-  const std::int32_t d = hv.head_dim, g = st.group_size(), length = st.slots.lengths[b];
+  const std::int32_t d = hv.head_dim, length = st.slots.lengths[b];
   if (!st.appended[bh]) return pack_status(b, h, 0, batch_code::not_appended);
   if (length > hv.max_tokens) return pack_status(b, h, 0, batch_code::history_full);
-  if (hv.rows[bh] != length - 1) return pack_status(b, h, 0, batch_code::history_gap);
+  const std::int32_t first = hv.rows[bh];  // the oldest position not recorded yet
   const std::int32_t count = st.slots.counts[bh];
-  const std::int32_t* positions = st.slots.positions_of(b, h);
-  std::int32_t newest = 0;
-  while (newest < count && positions[newest] != length - 1) ++newest;  // appended, so found
-  if (newest == count) return pack_status(b, h, 0, batch_code::history_gap);  // the kernel's order of checks
-  for (std::int32_t q = h * g; q < (h + 1) * g; ++q)
-    for (std::int32_t i = 0; i < d; ++i)
-      if (classify_input(to_float(in.q(b, q, i)), false) != batch_code::ok)
-        return pack_status(b, h, q, batch_code::non_finite_query);
-  if (!row_is_mapped(cache, b, newest)) return pack_status(b, h, newest, batch_code::bad_page);
+  const std::int32_t* positions = st.slots.positions_of(b, h);  // occupied: exactly [0, count) after an append
+  std::int32_t unrecorded = 0;
+  for (std::int32_t s = 0; s < count; ++s) unrecorded += positions[s] >= first;
+  // Positions are distinct and below length: all of [first, length) is cached
+  // exactly when that many cached positions are >= first.
+  if (first >= length || unrecorded != length - first) return pack_status(b, h, 0, batch_code::history_gap);
+  const std::uint64_t queries = query_problem(st, b, h, in);
+  if (queries != batch_status_clear) return queries;
+  for (std::int32_t s = 0; s < count; ++s)
+    if (positions[s] >= first && !row_is_mapped(cache, b, s)) return pack_status(b, h, s, batch_code::bad_page);
   float* keys = hv.keys + bh * hv.max_tokens * d;
   float* values = hv.values + bh * hv.max_tokens * d;
-  bool finite = true;  // the whole row is written either way, as the kernel does
-  for (std::int32_t i = 0; i < d; ++i) {
-    const float k = to_float(cache.k_row(b, h, newest)[i]), v = to_float(cache.v_row(b, h, newest)[i]);
-    if (classify_input(k, false) != batch_code::ok || classify_input(v, false) != batch_code::ok) finite = false;
-    keys[std::int64_t{length - 1} * d + i] = k;  // beyond rows: not part of the state until the commit
-    values[std::int64_t{length - 1} * d + i] = v;
-  }
-  if (!finite) return pack_status(b, h, newest, batch_code::non_finite_kv);
-  std::uint8_t* cached = hv.cached + bh * hv.max_tokens;
-  double* work = hv.work + bh * hv.work_doubles();
-  double* errors = work + hv.work_doubles() - hv.capacity;
-  for (std::int32_t p = 0; p < length; ++p) cached[p] = 0;
+  std::int32_t non_finite = -1;  // the lowest slot with a non-finite row; every row is written either way
   for (std::int32_t s = 0; s < count; ++s) {
-    cached[positions[s]] = 1;
-    errors[s] = 0.0;
+    const std::int32_t p = positions[s];
+    if (p < first) continue;
+    for (std::int32_t i = 0; i < d; ++i) {
+      const float k = to_float(cache.k_row(b, h, s)[i]), v = to_float(cache.v_row(b, h, s)[i]);
+      if ((classify_input(k, false) != batch_code::ok || classify_input(v, false) != batch_code::ok) &&
+          non_finite < 0)
+        non_finite = s;
+      keys[std::int64_t{p} * d + i] = k;  // beyond rows: not part of the state until the commit
+      values[std::int64_t{p} * d + i] = v;
+    }
   }
-  for (std::int32_t q = h * g; q < (h + 1) * g; ++q)
-    leave_one_out_errors(&in.q(b, q, 0), in.q.strides[2], keys, values, d, in.scale, length, cached, positions,
-                         count, errors, work);
+  if (non_finite >= 0) return pack_status(b, h, non_finite, batch_code::non_finite_kv);
+  double* errors = leave_one_out_slot_errors(st, bh);
+  group_leave_one_out(st, b, h, in, positions, count, length, errors);  // a prefix: member i is slot i
   float* updated = st.spare_scores_of(b, h);
   for (std::int32_t s = 0; s < count; ++s) updated[s] = static_cast<float>(errors[s]);
   victim = count > st.rule.budget

@@ -9,8 +9,12 @@
 // A step with several tokens: batched_append_tokens, attention over the
 // occupied prefix, batched_observe_evict (adds the scores and evicts one
 // token above the budget), then batched_evict_to(budget) for the rest.
+// exact_greedy's evict_to takes that step's queries again: it re-scores the
+// tokens left after each victim.
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "kvevict/batch/host_backend.hpp"
 #include "kvevict/batch/inputs.hpp"
@@ -28,30 +32,47 @@ inline void require_tokens(const site& w, const batch_state_view& st, std::int32
     fail<out_of_range>(w, "tokens", "= ", tokens, " is outside [1, capacity = ", st.capacity(), "]");
 }
 
-inline void require_target(const site& w, const batch_state_view& st, std::int32_t target) {
-  if (st.history.keys)
-    fail<invalid_argument>(w, "state", "is exact_greedy's: its greedy evict_to is per sequence only "
-                                       "(exact_greedy_policy::evict_to)");
+/// target in [sinks + recent, capacity]; `greedy`: whether the call takes
+/// the step's queries, which exact_greedy's greedy rounds need and only it
+/// uses.
+inline void require_target(const site& w, const batch_state_view& st, std::int32_t target, bool greedy = false) {
+  if (st.history.keys && !greedy)
+    fail<invalid_argument>(w, "state", "is exact_greedy's: its greedy evict_to re-scores the tokens with the "
+                                       "step's queries; call the batched_evict_to overload that takes them "
+                                       "(batch_queries)");
+  if (!st.history.keys && greedy)
+    fail<invalid_argument>(w, "state", "is not exact_greedy's (it has no history): the batched_evict_to overload "
+                                       "with queries is exact_greedy's; call the one without them");
   const std::int64_t protected_max = std::int64_t{st.rule.protect.sinks} + st.rule.protect.recent;
   if (target < protected_max || target > st.capacity())
     fail<budget_error>(w, "target", "= ", target, " is outside [sinks + recent = ", protected_max,
                        ", capacity = ", st.capacity(), "]");
 }
 
-/// evict_to of one (b, h): frees the surplus, refills the holes, calls
-/// on_move(from, to) per row move; returns the tokens freed. The caller
-/// checked the head.
-template <class OnMove>
-std::int32_t evict_to_head(const batch_state_view& st, std::int32_t b, std::int32_t h, std::int32_t target,
+/// The queries of exact_greedy's evict_to: the shapes observe + evict takes,
+/// head_dim the history's.
+template <class Q>
+void require_greedy_queries(const site& w, const batch_state_view& st, const batch_queries<Q>& in) {
+  require_history(w, st);
+  require_not_null(w, "state.victim_scratch", st.victim_scratch);
+  require_batch_extents(w, "q", in.q, {st.num_seqs(), st.num_q_heads, st.history.head_dim}, false);
+  require_batch_extents(w, "lse", in.lse, {st.num_seqs(), st.num_q_heads}, false);
+  require_scale(w, in.scale);
+  require_lse_base(w, "base", in.base);
+}
+
+/// evict_to of one (b, h): free_victims(count) frees the surplus over
+/// `target` and returns how many; then the holes are refilled, on_move(from,
+/// to) per row move. Returns the tokens freed. The caller checked the head.
+template <class FreeVictims, class OnMove>
+std::int32_t evict_to_head(const batch_state_view& st, std::int32_t b, std::int32_t h, FreeVictims free_victims,
                            OnMove on_move) {
   const std::int64_t bh = st.head_index(b, h);
   std::int32_t* positions = st.slots.positions_of(b, h);
   float* scores = st.scores_of(b, h);
   std::int32_t* scratch = st.victim_scratch + bh * st.capacity();
   const std::int32_t count = st.slots.counts[bh];
-  const std::int32_t freed =
-      free_surplus(st.rule, positions, scores, st.capacity(), count, st.slots.lengths[b], target,
-                   st.streams ? st.streams[b] : std::uint64_t(b), h, scratch);
+  const std::int32_t freed = free_victims(count);
   if (freed == 0) return 0;
   st.slots.counts[bh] = count - freed;
   refill_holes(positions, scores, st.capacity(), count - freed, st.rule.budget, scratch, st.slots.next_slots[bh],
@@ -64,18 +85,112 @@ std::int32_t evict_to_head(const batch_state_view& st, std::int32_t b, std::int3
   return freed;
 }
 
+/// The victims of the score-based policies and random (free_surplus).
+inline auto rule_victims(const batch_state_view& st, std::int32_t b, std::int32_t h, std::int32_t target) {
+  return [&st, b, h, target](std::int32_t count) {
+    return free_surplus(st.rule, st.slots.positions_of(b, h), st.scores_of(b, h), st.capacity(), count,
+                        st.slots.lengths[b], target, st.streams ? st.streams[b] : std::uint64_t(b), h,
+                        st.victim_scratch + st.head_index(b, h) * st.capacity());
+  };
+}
+
+/// exact_greedy's victims, one at a time: before each, every cached token
+/// is re-scored with its leave-one-out error for the step's queries (the
+/// tokens evicted so far have joined the evicted set), then the lowest
+/// (score, position) among the unprotected goes, as exact_greedy_policy's
+/// evict_to does. Re-scoring a set that observe + evict scored and left
+/// unchanged gives the same bits, so the first round is evict's choice
+/// whether or not observe + evict evicted.
+template <class Q>
+auto greedy_victims(const batch_state_view& st, std::int32_t b, std::int32_t h, std::int32_t target,
+                    const batch_queries<Q>& in) {
+  return [&st, &in, b, h, target](std::int32_t count) {
+    const std::int64_t bh = st.head_index(b, h);
+    const std::int32_t length = st.slots.lengths[b];
+    std::int32_t* positions = st.slots.positions_of(b, h);
+    float* scores = st.scores_of(b, h);
+    std::int32_t* members = st.victim_scratch + bh * st.capacity();
+    double* errors = leave_one_out_slot_errors(st, bh);
+    const std::int32_t surplus = count - target;
+    for (std::int32_t round = 0; round < surplus; ++round) {
+      std::int32_t n = 0;
+      for (std::int32_t s = 0; s < st.capacity(); ++s)
+        if (positions[s] >= 0) members[n++] = positions[s];
+      group_leave_one_out(st, b, h, in, members, n, length, errors);
+      for (std::int32_t s = 0, i = 0; s < st.capacity(); ++s)
+        if (positions[s] >= 0) scores[s] = static_cast<float>(errors[i++]);
+      const std::int32_t victim = pick_victim(st.rule, positions, scores, st.capacity(), length, std::uint64_t(b),
+                                              h, nullptr);  // target >= sinks + recent: one exists
+      positions[victim] = -1;
+      scores[victim] = 0.0f;
+    }
+    return surplus > 0 ? surplus : 0;
+  };
+}
+
 /// Why (b, h) cannot take evict_to: appended but not observed, or (with a
-/// cache) a row it may touch is not mapped.
-template <class Mapped>
+/// cache) a row it may touch is not mapped; for exact_greedy (`queries`
+/// given) also a history that does not hold the whole sequence, or
+/// non-finite queries. Checks in the kernel's order.
+template <class Mapped, class Queries = std::nullptr_t>
 std::uint64_t evict_to_problem(const batch_state_view& st, std::int32_t b, std::int32_t h, std::int32_t target,
-                               Mapped mapped) {
+                               Mapped mapped, const Queries* queries = nullptr) {
   const std::int64_t bh = st.head_index(b, h);
   if (st.appended[bh]) return pack_status(b, h, 0, batch_code::not_observed);
   if (st.slots.counts[bh] <= target) return batch_status_clear;
+  if constexpr (!std::is_same_v<Queries, std::nullptr_t>) {
+    if (st.history.rows[bh] != st.slots.lengths[b]) return pack_status(b, h, 0, batch_code::history_gap);
+    const std::uint64_t problem = query_problem(st, b, h, *queries);
+    if (problem != batch_status_clear) return problem;
+  }
   const std::int32_t* positions = st.slots.positions_of(b, h);
   for (std::int32_t s = 0; s < st.capacity(); ++s)
     if ((positions[s] >= 0 || s <= target) && !mapped(s)) return pack_status(b, h, s, batch_code::bad_page);
   return batch_status_clear;
+}
+
+/// batched_evict_to with the rows moved in `cache`, victims by
+/// victims_of(b, h) and per-head problems by problem_of(b, h, mapped).
+template <class T, class Layout, class Problem, class Victims>
+void evict_to_all(const batch_state_view& st, const active_set& active, const kv_view<T, Layout>& cache,
+                  std::int32_t* freed, std::uint64_t* status, Problem problem_of, Victims victims_of) {
+  for_each_active(st, active, status, [&](std::int32_t b) {
+    for (std::int32_t h = 0; h < st.num_heads(); ++h) {
+      const std::int64_t bh = st.head_index(b, h);
+      if (freed) freed[bh] = 0;
+      const std::uint64_t problem = problem_of(b, h, [&](std::int32_t s) { return row_is_mapped(cache, b, s); });
+      if (problem != batch_status_clear) {
+        record_status(status, problem);
+        continue;
+      }
+      const std::int32_t n = evict_to_head(st, b, h, victims_of(b, h), [&](std::int32_t from, std::int32_t to) {
+        std::memcpy(cache.k_row(b, h, to), cache.k_row(b, h, from), sizeof(T) * std::size_t(cache.head_dim));
+        std::memcpy(cache.v_row(b, h, to), cache.v_row(b, h, from), sizeof(T) * std::size_t(cache.head_dim));
+      });
+      if (freed) freed[bh] = n;
+    }
+  });
+}
+
+/// batched_evict_to with the moves reported, as evict_to_all.
+template <class Problem, class Victims>
+void evict_to_all(const batch_state_view& st, const active_set& active, slot_move* moves, std::int32_t* move_counts,
+                  std::uint64_t* status, Problem problem_of, Victims victims_of) {
+  for_each_active(st, active, status, [&](std::int32_t b) {
+    for (std::int32_t h = 0; h < st.num_heads(); ++h) {
+      const std::int64_t bh = st.head_index(b, h);
+      move_counts[bh] = 0;
+      const std::uint64_t problem = problem_of(b, h, [](std::int32_t) { return true; });
+      if (problem != batch_status_clear) {
+        record_status(status, problem);
+        continue;
+      }
+      slot_move* out = moves + bh * st.capacity();
+      evict_to_head(st, b, h, victims_of(b, h), [&](std::int32_t from, std::int32_t to) {
+        out[move_counts[bh]++] = slot_move{from, to};
+      });
+    }
+  });
 }
 
 }  // namespace detail
@@ -119,7 +234,8 @@ inline void batched_append_tokens(const batch_state_view& st, const active_set& 
 /// are [0, target + 1) but one hole, the next slot (policy/evict_to.hpp).
 /// freed (optional, [B][H]): tokens freed per stepped head. A head that was
 /// appended but not observed, or whose rows are not mapped, is left
-/// unchanged (not_observed, bad_page).
+/// unchanged (not_observed, bad_page). exact_greedy takes the overload with
+/// the step's queries.
 template <class T, class Layout>
 void batched_evict_to(const batch_state_view& st, const active_set& active, std::int32_t target,
                       const kv_view<T, Layout>& cache, std::int32_t* freed, std::uint64_t* status) {
@@ -129,23 +245,10 @@ void batched_evict_to(const batch_state_view& st, const active_set& active, std:
   detail::require_not_null(w, "status", status);
   detail::require_target(w, st, target);
   detail::require_cache(w, st, cache);
-  detail::for_each_active(st, active, status, [&](std::int32_t b) {
-    for (std::int32_t h = 0; h < st.num_heads(); ++h) {
-      const std::int64_t bh = st.head_index(b, h);
-      if (freed) freed[bh] = 0;
-      const std::uint64_t problem =
-          detail::evict_to_problem(st, b, h, target, [&](std::int32_t s) { return row_is_mapped(cache, b, s); });
-      if (problem != batch_status_clear) {
-        detail::record_status(status, problem);
-        continue;
-      }
-      const std::int32_t n = detail::evict_to_head(st, b, h, target, [&](std::int32_t from, std::int32_t to) {
-        std::memcpy(cache.k_row(b, h, to), cache.k_row(b, h, from), sizeof(T) * std::size_t(cache.head_dim));
-        std::memcpy(cache.v_row(b, h, to), cache.v_row(b, h, from), sizeof(T) * std::size_t(cache.head_dim));
-      });
-      if (freed) freed[bh] = n;
-    }
-  });
+  detail::evict_to_all(
+      st, active, cache, freed, status,
+      [&](std::int32_t b, std::int32_t h, auto mapped) { return detail::evict_to_problem(st, b, h, target, mapped); },
+      [&](std::int32_t b, std::int32_t h) { return detail::rule_victims(st, b, h, target); });
 }
 
 /// The same for engines that move rows themselves: moves[(b * H + h) *
@@ -161,21 +264,62 @@ inline void batched_evict_to(const batch_state_view& st, const active_set& activ
   detail::require_not_null(w, "moves", moves);
   detail::require_not_null(w, "move_counts", move_counts);
   detail::require_target(w, st, target);
-  detail::for_each_active(st, active, status, [&](std::int32_t b) {
-    for (std::int32_t h = 0; h < st.num_heads(); ++h) {
-      const std::int64_t bh = st.head_index(b, h);
-      move_counts[bh] = 0;
-      const std::uint64_t problem = detail::evict_to_problem(st, b, h, target, [](std::int32_t) { return true; });
-      if (problem != batch_status_clear) {
-        detail::record_status(status, problem);
-        continue;
-      }
-      slot_move* out = moves + bh * st.capacity();
-      detail::evict_to_head(st, b, h, target, [&](std::int32_t from, std::int32_t to) {
-        out[move_counts[bh]++] = slot_move{from, to};
-      });
-    }
-  });
+  detail::evict_to_all(
+      st, active, moves, move_counts, status,
+      [&](std::int32_t b, std::int32_t h, auto mapped) { return detail::evict_to_problem(st, b, h, target, mapped); },
+      [&](std::int32_t b, std::int32_t h) { return detail::rule_victims(st, b, h, target); });
+}
+
+/// exact_greedy's evict_to(target), greedily: for every active (b, h) above
+/// `target`, one victim at a time, each the lowest (leave-one-out error,
+/// position) among the unprotected with the errors recomputed for the
+/// queries `in` (those this step's observe + evict took) after every
+/// victim; then the holes are refilled as for the other policies. Equals
+/// exact_greedy_policy::evict_to after observe bit for bit. Besides
+/// not_observed and bad_page, a head with non-finite queries is left
+/// unchanged (non_finite_query). Refuses a state of another policy.
+template <class Q, class T, class Layout>
+void batched_evict_to(const batch_state_view& st, const active_set& active, std::int32_t target,
+                      const batch_queries<Q>& in, const kv_view<T, Layout>& cache, std::int32_t* freed,
+                      std::uint64_t* status) {
+  const detail::site w{"batch", "evict_to"};
+  detail::require_state(w, st);
+  detail::require_active(w, active, st.num_seqs());
+  detail::require_not_null(w, "status", status);
+  detail::require_target(w, st, target, true);
+  detail::require_greedy_queries(w, st, in);
+  detail::require_cache(w, st, cache);
+  if (cache.head_dim != st.history.head_dim)
+    detail::fail<invalid_argument>(w, "cache.head_dim", "= ", cache.head_dim, ", the history has ",
+                                   st.history.head_dim);
+  detail::evict_to_all(
+      st, active, cache, freed, status,
+      [&](std::int32_t b, std::int32_t h, auto mapped) {
+        return detail::evict_to_problem(st, b, h, target, mapped, &in);
+      },
+      [&](std::int32_t b, std::int32_t h) { return detail::greedy_victims(st, b, h, target, in); });
+}
+
+/// exact_greedy's evict_to for engines that move rows themselves (moves as
+/// in the overload without queries).
+template <class Q>
+void batched_evict_to(const batch_state_view& st, const active_set& active, std::int32_t target,
+                      const batch_queries<Q>& in, slot_move* moves, std::int32_t* move_counts,
+                      std::uint64_t* status) {
+  const detail::site w{"batch", "evict_to"};
+  detail::require_state(w, st);
+  detail::require_active(w, active, st.num_seqs());
+  detail::require_not_null(w, "status", status);
+  detail::require_not_null(w, "moves", moves);
+  detail::require_not_null(w, "move_counts", move_counts);
+  detail::require_target(w, st, target, true);
+  detail::require_greedy_queries(w, st, in);
+  detail::evict_to_all(
+      st, active, moves, move_counts, status,
+      [&](std::int32_t b, std::int32_t h, auto mapped) {
+        return detail::evict_to_problem(st, b, h, target, mapped, &in);
+      },
+      [&](std::int32_t b, std::int32_t h) { return detail::greedy_victims(st, b, h, target, in); });
 }
 
 }  // namespace kvevict

@@ -12,6 +12,10 @@
 // rows beyond the span in one two-pointer sweep, and the warps move the rows.
 // The rounds make this O(surplus * count / threads) per head: evict_to runs
 // after chunked prefill or speculative steps, not every token.
+// exact_greedy's evict_to takes the step's queries and re-scores every
+// cached token with its leave-one-out error before each round
+// (leave_one_out.cuh, the host's bits), so its victims are the host's
+// greedy ones.
 #include <cub/block/block_reduce.cuh>
 #include <cuda_runtime.h>
 
@@ -25,6 +29,7 @@
 #include "kvevict/batch/validate.hpp"
 #include "kvevict/cuda/block_select.cuh"
 #include "kvevict/cuda/device_helpers.cuh"
+#include "kvevict/cuda/leave_one_out.cuh"
 #include "kvevict/kv_view.hpp"
 #include "kvevict/policy/decode_rules.hpp"
 #include "kvevict/policy/evict_to.hpp"
@@ -70,12 +75,16 @@ __global__ void __launch_bounds__(BlockThreads)
 
 /// Stands for "no cache": evict_to reports the moves instead of making them.
 struct no_cache {};
+/// Stands for "no queries": the victims follow the scores as they are
+/// (every policy but exact_greedy, which re-scores with batch_queries).
+struct no_queries {};
 
-template <int BlockThreads, class Cache>
+template <int BlockThreads, class Cache, class Queries>
 __global__ void __launch_bounds__(BlockThreads)
-    evict_to_kernel(batch_state_view st, active_set active, std::int32_t target, Cache cache, slot_move* moves,
-                    std::int32_t* results, std::uint64_t* status) {
+    evict_to_kernel(batch_state_view st, active_set active, std::int32_t target, Cache cache, Queries queries,
+                    slot_move* moves, std::int32_t* results, std::uint64_t* status) {
   constexpr bool kMoveRows = !std::is_same_v<Cache, no_cache>;
+  constexpr bool kGreedy = !std::is_same_v<Queries, no_queries>;
   using reduce_keys = cub::BlockReduce<unsigned long long, BlockThreads>;
   using reduce_counts = cub::BlockReduce<std::int32_t, BlockThreads>;
   using select = block_select_kth<BlockThreads>;
@@ -99,14 +108,26 @@ __global__ void __launch_bounds__(BlockThreads)
   const std::int32_t count = st.slots.counts[bh], length = st.slots.lengths[b];
   if (t == 0 && results) results[bh] = 0;
 
-  // ---- checks (the host's evict_to_problem), before anything changes ----
+  // ---- checks (the host's evict_to_problem, in its order), before anything changes ----
   unsigned long long problem = batch_status_clear;
   if (st.appended[bh]) problem = pack_status(b, h, 0, batch_code::not_observed);
   if (problem == batch_status_clear && count <= target) return;  // nothing to free: unchanged
+  if constexpr (kGreedy) {
+    if (problem == batch_status_clear && st.history.rows[bh] != length)
+      problem = pack_status(b, h, 0, batch_code::history_gap);
+    if (problem == batch_status_clear) {  // the same branch in every thread
+      problem = block_query_problem<BlockThreads>(temp.keys, queries, b, h, st.group_size(), st.history.head_dim);
+      if (t == 0) shared_word = problem;
+      __syncthreads();
+      problem = shared_word;
+      __syncthreads();  // everyone has read shared_word before it is rewritten below
+    }
+  }
   if constexpr (kMoveRows) {
-    for (std::int32_t s = t; s < cap; s += BlockThreads)
-      if ((positions[s] >= 0 || s <= target) && !row_is_mapped(cache, b, s))
-        problem = minimum_of{}(problem, static_cast<unsigned long long>(pack_status(b, h, s, batch_code::bad_page)));
+    if (problem == batch_status_clear)
+      for (std::int32_t s = t; s < cap; s += BlockThreads)
+        if ((positions[s] >= 0 || s <= target) && !row_is_mapped(cache, b, s))
+          problem = minimum_of{}(problem, static_cast<unsigned long long>(pack_status(b, h, s, batch_code::bad_page)));
   }
   problem = reduce_keys(temp.keys).Reduce(problem, minimum_of{});
   if (t == 0) shared_word = problem;
@@ -122,6 +143,14 @@ __global__ void __launch_bounds__(BlockThreads)
   for (std::int32_t round = 0; round < surplus; ++round) {
     if (t == 0) shared_victim = -1;
     __syncthreads();
+    if constexpr (kGreedy) {  // re-score the tokens left; the lowest key below is the greedy victim
+      __shared__ leave_one_out_storage<BlockThreads> scoring;
+      double* errors = leave_one_out_slot_errors(st.history, bh);
+      block_leave_one_out_errors<BlockThreads>(scoring, st, b, h, queries, cap, length, errors);
+      for (std::int32_t s = t; s < cap; s += BlockThreads)
+        if (positions[s] >= 0) scores[s] = static_cast<float>(errors[s]);
+      __syncthreads();
+    }
     if (st.rule.victim == victim_rule::random_rank) {
       std::int32_t n = 0;
       for (std::int32_t s = t; s < cap; s += BlockThreads)
@@ -200,14 +229,14 @@ __global__ void __launch_bounds__(BlockThreads)
   }
 }
 
-template <class Cache>
+template <class Cache, class Queries>
 cudaError_t launch_evict_to(const batch_state_view& st, const active_set& active, std::int32_t target,
-                            const Cache& cache, slot_move* moves, std::int32_t* results, std::uint64_t* status,
-                            cudaStream_t stream) {
+                            const Cache& cache, const Queries& queries, slot_move* moves, std::int32_t* results,
+                            std::uint64_t* status, cudaStream_t stream) {
   const std::int64_t blocks = std::int64_t{active.entries(st.num_seqs())} * st.num_heads();
   if (blocks == 0) return cudaSuccess;
-  evict_to_kernel<kBlockThreads, Cache><<<static_cast<unsigned>(blocks), kBlockThreads, 0, stream>>>(
-      st, active, target, cache, moves, results, status);
+  evict_to_kernel<kBlockThreads, Cache, Queries><<<static_cast<unsigned>(blocks), kBlockThreads, 0, stream>>>(
+      st, active, target, cache, queries, moves, results, status);
   return cudaGetLastError();
 }
 
@@ -232,7 +261,8 @@ inline cudaError_t batched_append_tokens(const batch_state_view& st, const activ
 
 /// evict_to(target) for every active (b, h), moving the kept rows in
 /// `cache`, as the host's batched_evict_to; freed (optional, [B][H]
-/// device memory): tokens freed per stepped head.
+/// device memory): tokens freed per stepped head. exact_greedy takes the
+/// overload with the step's queries.
 template <class T, class Layout>
 cudaError_t batched_evict_to(const batch_state_view& st, const active_set& active, std::int32_t target,
                              const kv_view<T, Layout>& cache, std::int32_t* freed, std::uint64_t* status,
@@ -243,7 +273,7 @@ cudaError_t batched_evict_to(const batch_state_view& st, const active_set& activ
   kvevict::detail::require_not_null(w, "status", status);
   kvevict::detail::require_target(w, st, target);
   kvevict::detail::require_cache(w, st, cache);
-  return detail::launch_evict_to(st, active, target, cache, nullptr, freed, status, stream);
+  return detail::launch_evict_to(st, active, target, cache, detail::no_queries{}, nullptr, freed, status, stream);
 }
 
 /// The same for engines that move rows themselves: moves[(b * H + h) *
@@ -258,7 +288,47 @@ inline cudaError_t batched_evict_to(const batch_state_view& st, const active_set
   kvevict::detail::require_not_null(w, "moves", moves);
   kvevict::detail::require_not_null(w, "move_counts", move_counts);
   kvevict::detail::require_target(w, st, target);
-  return detail::launch_evict_to(st, active, target, detail::no_cache{}, moves, move_counts, status, stream);
+  return detail::launch_evict_to(st, active, target, detail::no_cache{}, detail::no_queries{}, moves, move_counts,
+                                 status, stream);
+}
+
+/// exact_greedy's greedy evict_to(target), moving the kept rows in `cache`,
+/// as the host's batched_evict_to with queries: `in` (device memory) holds
+/// the queries this step's observe + evict took; a head with non-finite
+/// queries is left unchanged (non_finite_query). Refuses a state of another
+/// policy.
+template <class Q, class T, class Layout>
+cudaError_t batched_evict_to(const batch_state_view& st, const active_set& active, std::int32_t target,
+                             const batch_queries<Q>& in, const kv_view<T, Layout>& cache, std::int32_t* freed,
+                             std::uint64_t* status, cudaStream_t stream) {
+  const kvevict::detail::site w{"cuda", "evict_to"};
+  kvevict::detail::require_state(w, st);
+  kvevict::detail::require_active(w, active, st.num_seqs());
+  kvevict::detail::require_not_null(w, "status", status);
+  kvevict::detail::require_target(w, st, target, true);
+  kvevict::detail::require_greedy_queries(w, st, in);
+  kvevict::detail::require_cache(w, st, cache);
+  if (cache.head_dim != st.history.head_dim)
+    kvevict::detail::fail<invalid_argument>(w, "cache.head_dim", "= ", cache.head_dim, ", the history has ",
+                                            st.history.head_dim);
+  return detail::launch_evict_to(st, active, target, cache, in, nullptr, freed, status, stream);
+}
+
+/// The same for engines that move rows themselves (moves as in the
+/// overload without queries, device memory).
+template <class Q>
+cudaError_t batched_evict_to(const batch_state_view& st, const active_set& active, std::int32_t target,
+                             const batch_queries<Q>& in, slot_move* moves, std::int32_t* move_counts,
+                             std::uint64_t* status, cudaStream_t stream) {
+  const kvevict::detail::site w{"cuda", "evict_to"};
+  kvevict::detail::require_state(w, st);
+  kvevict::detail::require_active(w, active, st.num_seqs());
+  kvevict::detail::require_not_null(w, "status", status);
+  kvevict::detail::require_not_null(w, "moves", moves);
+  kvevict::detail::require_not_null(w, "move_counts", move_counts);
+  kvevict::detail::require_target(w, st, target, true);
+  kvevict::detail::require_greedy_queries(w, st, in);
+  return detail::launch_evict_to(st, active, target, detail::no_cache{}, in, moves, move_counts, status, stream);
 }
 
 }  // namespace gpu

@@ -133,11 +133,13 @@ class exact_greedy_policy : public policy_base<exact_greedy_policy> {
 
   /// evict_to, greedily: one victim at a time, the leave-one-out errors of
   /// the tokens left recomputed (with the last observed queries) before each
-  /// further victim. The first victim is evict's.
+  /// victim, so an evict since the observe is accounted for. Right after an
+  /// observe the first round re-scores the same set to the same bits: the
+  /// first victim is evict's.
   std::int32_t free_surplus(std::int32_t b, std::int32_t h, std::int32_t target) {
     const std::int32_t surplus = slots_.count(b, h) - target;
     for (std::int32_t round = 0; round < surplus; ++round) {
-      if (round > 0) evaluate(b, h);
+      evaluate(b, h);
       const std::int32_t s = choose_victim(b, h);  // target >= sinks + recent: one exists
       slots_.positions_of(b, h)[s] = -1;
       mutable_scores(b, h)[s] = 0.0f;
