@@ -427,6 +427,55 @@ TEST_CASE("batched status: overflowing scores, bad pages in append, exact_greedy
   }
 }
 
+TEST_CASE("batched: the overflow, enum and allocation rules of the per-sequence API hold too") {
+  SUBCASE("a group reduction or a score that overflows leaves the head unchanged; negative increments are allowed") {
+    // Two query heads in one group: 3e38 + 3e38 is inf before any score is touched.
+    batched_policy<h2o_policy> layer(policy_shape{1, 1, 2, 4}, h2o_config{2, 0});
+    const std::vector<float> minus(4, -3e38f), huge(2 * 4, 3e38f), quarter(2 * 4, 0.25f);
+    const batch_head_scores negative{make_tensor_view<const float>(minus.data(), 1, 1, 4)};
+    layer.append();
+    layer.observe_evict(negative);
+    layer.check();
+    CHECK(layer.state().scores_of(0, 0)[0] == -3e38f);
+    layer.append();
+    const head_snapshot before = snapshot_of(layer.state(), 0, 0);
+    layer.observe_evict(negative);  // -3e38 - 3e38 = -inf
+    CHECK(snapshot_of(layer.state(), 0, 0) == before);
+    CHECK_THROWS_AS(layer.check(), non_finite_error);
+    layer.observe_evict(batch_probs{make_tensor_view<const float>(huge.data(), 1, 2, 4)});
+    CHECK(snapshot_of(layer.state(), 0, 0) == before);
+    const batch_status st = batch_status::unpack(layer.status_word());
+    CHECK(st.code == batch_code::score_overflow);
+    CHECK(st.index == 0);
+    CHECK_THROWS_AS(layer.check(), non_finite_error);
+    layer.observe_evict(batch_probs{make_tensor_view<const float>(quarter.data(), 1, 2, 4)});  // the retry completes the step
+    layer.check();
+    CHECK(layer.state().scores_of(0, 0)[1] == 0.5f);
+  }
+  SUBCASE("out-of-range enum values") {
+    h2o_config bad{2, 1};
+    bad.reduce = static_cast<group_reduce>(9);
+    CHECK_THROWS_AS(batch_state_bytes<h2o_policy>(policy_shape{1, 1, 1, 4}, bad), invalid_argument);
+    batched_policy<h2o_policy> layer(policy_shape{1, 1, 1, 4}, h2o_config{2, 1});
+    layer.append();
+    const std::vector<float> logits(4, 0.0f), lse(1, 0.0f);
+    batch_logits in{make_tensor_view<const float>(logits.data(), 1, 1, 4), make_tensor_view<const float>(lse.data(), 1, 1)};
+    in.base = static_cast<lse_base>(5);
+    const head_snapshot before = snapshot_of(layer.state(), 0, 0);
+    CHECK_THROWS_AS(layer.observe_evict(in), invalid_argument);
+    CHECK(snapshot_of(layer.state(), 0, 0) == before);
+  }
+  SUBCASE("a state above max_allocation_bytes is refused before allocating") {
+    const policy_shape huge{1 << 19, 1 << 10, 1 << 10, 1 << 20};
+    CHECK_THROWS_AS(batch_state_bytes<h2o_policy>(huge, h2o_config{2, 1}), invalid_argument);
+    CHECK_THROWS_AS((batched_policy<h2o_policy>(huge, h2o_config{2, 1})), invalid_argument);
+    // exact_greedy's history: 64 x 8 heads x 2^30 tokens x 128 floats, twice.
+    CHECK_THROWS_AS(batch_state_bytes<exact_greedy_policy>(policy_shape{64, 8, 8, 1024}, exact_greedy_config{16, 1, 0},
+                                                           history_extent{1 << 30, 128}),
+                    invalid_argument);
+  }
+}
+
 TEST_CASE("batched state: size query, any alignment, arguments checked before anything changes") {
   const policy_shape shape{3, 2, 4, 9};
   const random_config config{6, 1, 1, 7};

@@ -218,6 +218,8 @@ TEST_CASE("observe rejects a score that would overflow, and bad logits, leaving 
   CHECK(std::vector<float>(pol.scores_of(0, 0), pol.scores_of(0, 0) + 4) == before);
   const float inc[4] = {3e38f, 1.0f, 0, 0};
   pol.observe(0, head_scores{make_tensor_view<const float>(inc, 1, 4)});
+  pol.evict(0);  // 2 tokens: within the budget
+  pol.append(0);
   CHECK_THROWS_AS(pol.observe(0, head_scores{make_tensor_view<const float>(inc, 1, 4)}), non_finite_error);
   CHECK(pol.score(0, 0, 0) == 3e38f);
   const float logits[2 * 4] = {0.0f, std::nanf(""), 0, 0, 0, 0, 0, 0}, lse[2] = {0, 0};

@@ -141,6 +141,7 @@ void add_policy_state(snapshot& st, const Policy& p) {
   const kv::policy_shape& sh = p.shape();
   for (std::int32_t b = 0; b < sh.num_seqs; ++b) {
     st.entries.push_back({"length", b, -1, -1, bits_of(p.length(b))});
+    st.entries.push_back({"awaiting_observe", b, -1, -1, std::uint64_t{p.awaiting_observe(b)}});
     for (std::int32_t h = 0; h < sh.num_kv_heads; ++h) {
       st.entries.push_back({"count", b, h, -1, bits_of(p.slots().count(b, h))});
       st.entries.push_back({"next_slot", b, h, -1, bits_of(p.next_slot(b, h))});
@@ -1042,12 +1043,90 @@ void check_exact_greedy(fixture<kv::exact_greedy_policy, T, Layout>& fx) {
   fx.write_token(0);
   CHECK_REJECTED(snap, kv::state_error, ("sequence 0", "no free slot"), [&] { fx.write_token(0); });
   CHECK_REJECTED(snap, kv::state_error, ("sequence 0", "not observed"), [&] { policy.evict(0); });
-  // Two appends without an observe in between while filling: the history has a gap.
+  // Two appends and one observe while filling (as a two-token append): both
+  // tokens join the history, as in the batched API. (This was refused.)
   fx.write_token(2);
   fx.write_token(2);
-  CHECK_REJECTED(snap, kv::state_error, ("sequence 2", "observe must run every step"),
-                 [&] { policy.observe(2, good.input(), fx.view()); });
+  CHECK_NOTHROW(policy.observe(2, good.input(), fx.view()));
+  for (std::int32_t h = 0; h < kKvHeads; ++h) CHECK(policy.history_length(2, h) == 2);
+  CHECK(policy.evict(2) == 0);
 }
+
+// ---- the decode protocol: append -> observe once -> evict ----
+
+template <class P, class = void>
+struct has_skip_observe : std::false_type {};
+template <class P>
+struct has_skip_observe<P, std::void_t<decltype(std::declval<P&>().skip_observe(0))>> : std::true_type {};
+static_assert(has_skip_observe<kv::h2o_policy>::value && has_skip_observe<kv::recent_window_policy>::value &&
+                  has_skip_observe<kv::random_policy>::value,
+              "the score-keeping policies offer the skip_observe opt-out");
+static_assert(!has_skip_observe<kv::exact_greedy_policy>::value, "exact_greedy needs every step observed");
+
+/// The moves form's buffers of evict_to.
+struct slot_moves {
+  std::vector<kv::slot_move> moves = std::vector<kv::slot_move>(std::size_t(kKvHeads) * kCap);
+  std::vector<std::int32_t> counts = std::vector<std::int32_t>(kKvHeads);
+};
+
+/// Regressions: h2o and random took an evict after an append without an
+/// observe (the victim came from the last step's scores), and an observe
+/// twice in one step counted the step twice. Both are refused with the state
+/// unchanged, for every policy; evict_to likewise.
+template <class Fx>
+void check_protocol(Fx& fx) {
+  auto& policy = fx.policy;
+  const auto snap = fx.snap();
+  slot_moves moves;
+  // Sequence 0 holds the budget: this append makes an eviction due.
+  fx.write_token(0);
+  CHECK(policy.awaiting_observe(0));
+  CHECK_REJECTED(snap, kv::state_error, ("sequence 0", "not observed"), [&] { policy.evict(0); });
+  CHECK_REJECTED(snap, kv::state_error, ("sequence 0", "not observed"), [&] { policy.evict_to(0, 4, fx.view()); });
+  CHECK_REJECTED(snap, kv::state_error, ("sequence 0", "not observed"),
+                 [&] { policy.evict_to(0, kBudget, moves.moves.data(), moves.counts.data()); });
+  fx.observe_valid(0);
+  CHECK_FALSE(policy.awaiting_observe(0));
+  CHECK_REJECTED(snap, kv::state_error, ("sequence 0", "already observed", "once per step"),
+                 [&] { fx.observe_valid(0); });
+  CHECK(policy.evict(0) == kKvHeads);
+  CHECK(policy.evict(0) == 0);  // a second evict has nothing left to do
+  CHECK_REJECTED(snap, kv::state_error, ("sequence 0", "already observed"), [&] { fx.observe_valid(0); });
+  // A freshly prefilled sequence has its scores: observing it again would count the prompt twice.
+  fx.prefill_valid(2, kPrompt);
+  CHECK_FALSE(policy.awaiting_observe(2));
+  CHECK_REJECTED(snap, kv::state_error, ("sequence 2", "already observed"), [&] { fx.observe_valid(2); });
+  // A multi-token append is one step: one observe, then evict_to.
+  policy.append(1, 3, nullptr);
+  CHECK_REJECTED(snap, kv::state_error, ("sequence 1", "not observed"), [&] { policy.evict_to(1, kBudget, fx.view()); });
+  fx.observe_valid(1);
+  CHECK(policy.evict_to(1, kBudget, fx.view()) == 1);
+  // reset ends a pending step.
+  fx.write_token(1);
+  policy.reset(1);
+  CHECK_FALSE(policy.awaiting_observe(1));
+  CHECK_REJECTED(snap, kv::out_of_range, ("'sequence'", "= 3"), [&] { (void)policy.awaiting_observe(kSeqs); });
+
+  if constexpr (has_skip_observe<decltype(fx.policy)>::value) {
+    CHECK_REJECTED(snap, kv::state_error, ("skip_observe", "sequence 0", "already observed"),
+                   [&] { policy.skip_observe(0); });
+    CHECK_REJECTED(snap, kv::state_error, ("skip_observe", "sequence 1", "holds no token"),
+                   [&] { policy.skip_observe(1); });
+    CHECK_REJECTED(snap, kv::out_of_range, ("'sequence'", "= -1"), [&] { policy.skip_observe(-1); });
+    // The opt-out: the step adds nothing and the victim comes from the scores as they are.
+    fx.write_token(0);
+    std::vector<float> scores_before(std::size_t(kKvHeads) * kCap);
+    for (std::int32_t h = 0; h < kKvHeads; ++h)
+      for (std::int32_t s = 0; s < kCap; ++s) scores_before[std::size_t(h) * kCap + s] = policy.score(0, h, s);
+    policy.skip_observe(0);
+    for (std::int32_t h = 0; h < kKvHeads; ++h)
+      for (std::int32_t s = 0; s < kCap; ++s) CHECK(policy.score(0, h, s) == scores_before[std::size_t(h) * kCap + s]);
+    std::int32_t victims[kKvHeads];
+    CHECK(policy.evict(0, victims) == kKvHeads);
+    for (std::int32_t h = 0; h < kKvHeads; ++h) CHECK(victims[h] >= 0);
+  }
+}
+
 
 // ---- scatter and compact ----
 
@@ -1343,6 +1422,118 @@ TEST_CASE("errors: exact greedy") {
     fixture fx(make_greedy(), paged<kv::bfloat16>(kv::page_order::nhd));
     check_exact_greedy(fx);
   }
+}
+
+TEST_CASE("errors: the decode protocol (append, observe once, evict)") {
+  for_each_policy_and_cache([](auto& fx) { check_protocol(fx); });
+  SUBCASE("exact_greedy, float, bhsd") {
+    fixture fx(make_greedy(), bhsd<float>());
+    check_protocol(fx);
+  }
+  SUBCASE("exact_greedy, bfloat16, paged hnd") {
+    fixture fx(make_greedy(), paged<kv::bfloat16>(kv::page_order::hnd));
+    check_protocol(fx);
+  }
+}
+
+TEST_CASE("errors: scores cannot become NaN or inf from finite inputs") {
+  // One GQA group of two query heads, one KV head; h2o with no recent
+  // window, so every token's score decides.
+  kv::policy_shape shape;
+  shape.num_seqs = 1;
+  shape.num_kv_heads = 1;
+  shape.num_q_heads = 2;
+  shape.capacity = 4;
+  kv::h2o_policy policy(shape, h2o_cfg(2, 0));
+  const auto snap = [&] {
+    snapshot st;
+    add_policy_state(st, policy);
+    return st;
+  };
+  std::vector<float> minus(4, -3e38f), huge(2 * 4, 3e38f);
+  const kv::head_scores negative{view2(minus, 1, 4, 4)};
+  const kv::decode_probs big{view2(huge, 2, 4, 4)};
+
+  // Negative per-head increments are allowed (docs/semantics.md, "Scores").
+  policy.append(0);
+  policy.observe(0, negative);
+  CHECK(policy.score(0, 0, 0) == -3e38f);
+  policy.append(0);
+  // Regression: two -3e38 increments reached -inf, then +inf increments NaN.
+  CHECK_REJECTED(snap, kv::non_finite_error, ("sequence 0 head 0 slot 0", "overflows"),
+                 [&] { policy.observe(0, negative); });
+  // The group reduction itself overflows: 3e38 + 3e38 is inf before any score is touched.
+  CHECK_REJECTED(snap, kv::non_finite_error, ("'probs[0..1][0]'", "overflows to inf", "KV head 0"),
+                 [&] { policy.observe(0, big); });
+  // mean and max of the same group stay finite; with sum the rejection above stands.
+  kv::h2o_config by_max = h2o_cfg(2, 0);
+  by_max.reduce = kv::group_reduce::max;
+  kv::h2o_policy max_policy(shape, by_max);
+  max_policy.append(0);
+  max_policy.observe(0, big);
+  CHECK(max_policy.score(0, 0, 0) == 3e38f);
+  // A valid observe still goes through after the rejections.
+  std::vector<float> one(2 * 4, 0.25f);
+  CHECK_NOTHROW(policy.observe(0, kv::decode_probs{view2(one, 2, 4, 4)}));
+  CHECK(policy.score(0, 0, 0) == -3e38f + 0.5f);
+  CHECK(policy.score(0, 0, 1) == 0.5f);
+  // The lowest score is the victim, however negative.
+  policy.append(0);
+  policy.observe(0, kv::decode_probs{view2(one, 2, 4, 4)});
+  std::int32_t victim = -1;
+  CHECK(policy.evict(0, &victim) == 1);
+  CHECK(victim == 0);
+}
+
+TEST_CASE("errors: out-of-range enum values are rejected, not read as defaults") {
+  kv::h2o_config bad = h2o_cfg(3, 2);
+  bad.reduce = static_cast<kv::group_reduce>(9);
+  CHECK_THROWS_NAMING(kv::invalid_argument, ("'config.reduce'", "= 9"), [&] { kv::h2o_policy p(shape_of(), bad); });
+
+  fixture fx(make_h2o(), bhsd<float>());
+  const auto snap = fx.snap();
+  fx.write_token(0);
+  std::mt19937 rng(3u);
+  const std::vector<float> logits = random_floats(std::size_t(kQHeads) * kCap, rng, -1.0f, 1.0f);
+  const std::vector<float> lse(kQHeads, 1.0f);
+  kv::decode_logits in{view2(logits, kQHeads, kCap, kCap), kv::make_tensor_view<const float>(lse.data(), kQHeads)};
+  in.base = static_cast<kv::lse_base>(5);
+  CHECK_REJECTED(snap, kv::invalid_argument, ("'base'", "= 5", "lse_base"), [&] { fx.policy.observe(0, in); });
+  query_data<float> qd(rng);
+  kv::decode_queries<float> q = qd.input();
+  q.base = static_cast<kv::lse_base>(5);
+  CHECK_REJECTED(snap, kv::invalid_argument, ("'base'", "= 5"), [&] { fx.policy.observe(0, q, fx.view()); });
+}
+
+TEST_CASE("errors: shapes too large to allocate are refused before allocating") {
+  // 2^20 x 2^20 x 2^30 would end in std::bad_alloc (or an overcommitted
+  // allocation); anything above kvevict::max_allocation_bytes is refused.
+  kv::policy_shape huge;
+  huge.num_seqs = 1 << 20;
+  huge.num_kv_heads = 1 << 20;
+  huge.num_q_heads = 1 << 20;
+  huge.capacity = 1 << 30;
+  const char* arg = "'shape.num_seqs * shape.num_kv_heads * shape.capacity'";
+  CHECK_REJECTED_ISOLATED(kv::invalid_argument, (arg, "max_allocation_bytes"),
+                          [&] { kv::h2o_policy p(huge, h2o_cfg(3, 2)); });
+  CHECK_REJECTED_ISOLATED(kv::invalid_argument, (arg), [&] { kv::recent_window_policy p(huge, window_cfg(1, 4)); });
+  CHECK_REJECTED_ISOLATED(kv::invalid_argument, (arg), [&] { kv::random_policy p(huge, random_cfg(kBudget, 1, 1)); });
+  CHECK_REJECTED_ISOLATED(kv::invalid_argument, (arg),
+                          [&] { kv::exact_greedy_policy p(huge, greedy_cfg(kBudget, 1)); });
+  // Just above the limit: 2^17 sequences x 2^8 heads x 2^12 slots x 8 bytes = 2^40, plus scratch.
+  kv::policy_shape edge = huge;
+  edge.num_seqs = 1 << 17;
+  edge.num_kv_heads = 1 << 8;
+  edge.num_q_heads = 1 << 8;
+  edge.capacity = 1 << 12;
+  CHECK_REJECTED_ISOLATED(kv::invalid_argument, (arg), [&] { kv::h2o_policy p(edge, h2o_cfg(3, 2)); });
+  CHECK_REJECTED_ISOLATED(kv::invalid_argument, ("make_bhsd_cache", "'num_seqs * num_heads * capacity * head_dim'"),
+                          [] { (void)kv::make_bhsd_cache<float>(1 << 20, 1 << 10, 1 << 10, 128); });
+  CHECK_REJECTED_ISOLATED(kv::invalid_argument, ("make_bshd_cache", "max_allocation_bytes"),
+                          [] { (void)kv::make_bshd_cache<kv::bfloat16>(1 << 10, 1 << 10, 1 << 10, 512); });
+  // A page far larger than the capacity: the pool, not the shape, is what is allocated.
+  CHECK_REJECTED_ISOLATED(kv::invalid_argument, ("make_paged_cache", "'the page pool'"),
+                          [] { (void)kv::make_paged_cache<float>(1, 64, 1, 128, 1 << 30, kv::page_order::nhd); });
 }
 
 TEST_CASE("errors: scatter") {

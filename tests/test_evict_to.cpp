@@ -191,10 +191,10 @@ TEST_CASE("evict_to with one token above the target is evict, for every policy")
 TEST_CASE("evict_to frees what repeated single evictions free (h2o, recent_window, exact_greedy)") {
   const std::int32_t cap = 20;
   std::vector<float> q(std::size_t(kHeads) * kGroup * kDim), lse(std::size_t(kHeads) * kGroup, 0.0f);
-  // a: evict_to(target) at once; b: one victim per call. exact_greedy's b
-  // re-observes between victims, so its errors are recomputed as greedy's.
+  // a: evict_to(target) at once; b: one victim per call. exact_greedy's
+  // evict_to re-scores before every victim, so b's single rounds follow a's.
   // Each has its own cache; rows and increments follow positions, not slots.
-  auto drive = [&](auto& a, auto& b, bool reobserve) {
+  auto drive = [&](auto& a, auto& b) {
     CAPTURE(a.rule().victim);
     std::mt19937 rng(11);
     auto cache_a = kv::make_bhsd_cache<float>(kSeqs, kHeads, cap, kDim);
@@ -238,22 +238,21 @@ TEST_CASE("evict_to frees what repeated single evictions free (h2o, recent_windo
       a.evict_to(s, target, cache_a.view());
       while (b.slots().count(s, 0) > target) {
         b.evict_to(s, b.slots().count(s, 0) - 1, cache_b.view());
-        if (reobserve && b.slots().count(s, 0) > target) observe(b, cache_b, s);
       }
       for (std::int32_t h = 0; h < kHeads; ++h) CHECK(positions_of(a, s, h) == positions_of(b, s, h));
     }
   };
   {
     kv::h2o_policy a(shape_of(cap), {6, 3}), b(shape_of(cap), {6, 3});
-    drive(a, b, false);
+    drive(a, b);
   }
   {
     kv::recent_window_policy a(shape_of(cap), {2, 7}), b(shape_of(cap), {2, 7});
-    drive(a, b, false);
+    drive(a, b);
   }
   {
     kv::exact_greedy_policy a(shape_of(cap), {9, 2, 1}), b(shape_of(cap), {9, 2, 1});
-    drive(a, b, true);
+    drive(a, b);
   }
 }
 
@@ -293,6 +292,8 @@ TEST_CASE("multi-token append and evict_to refuse bad input and change nothing")
   kv::h2o_policy policy(shape_of(10), {4, 2});
   auto cache = kv::make_bhsd_cache<float>(kSeqs, kHeads, 10, kDim);
   policy.append(0, 7, nullptr);
+  CHECK_THROWS_AS(policy.evict_to(0, 6, cache.view()), kv::state_error);  // not observed yet
+  policy.skip_observe(0);
   const auto before = positions_of(policy, 0, 0);
   CHECK_THROWS_AS(policy.append(0, 4, nullptr), kv::out_of_range);  // 7 + 4 > capacity 10
   CHECK_THROWS_AS(policy.append(0, 0, nullptr), kv::out_of_range);

@@ -383,6 +383,7 @@ TEST_CASE("budget 1: h2o keeps the best or the newest, recent_window the newest,
     for (std::int32_t p = 5; p < 205; ++p) {
       const std::int32_t old = *held_positions(pol, 0, 0).begin();
       pol.append(0);
+      pol.skip_observe(0);  // random reads no scores
       CHECK(pol.evict(0) == 1);
       const std::set<std::int32_t> now = held_positions(pol, 0, 0);
       REQUIRE(now.size() == 1);
@@ -532,6 +533,7 @@ TEST_CASE("sinks: recent_window{2, 3} keeps {0, 1} + the last 3; random never ev
         const std::array<std::set<std::int32_t>, 2> before = {held_positions(pol, 0, 0), held_positions(pol, 0, 1)};
         const std::int32_t p = pol.append(0);
         std::int32_t victims[2] = {-1, -1};
+        pol.skip_observe(0);  // random reads no scores
         CHECK(pol.evict(0, victims) == 2);
         const std::int32_t len = p + 1;
         for (std::int32_t h = 0; h < 2; ++h) {
@@ -1126,6 +1128,7 @@ TEST_CASE("random: victims uniform over the candidates, same seed same victims")
       random_policy pol(policy_shape{1, 1, 1, 5}, random_cfg(4, 0, 0, seed));
       for (int i = 0; i < 5; ++i) pol.append(0);
       std::int32_t victim = -1;
+      pol.skip_observe(0);
       pol.evict(0, &victim);
       REQUIRE(victim >= 0);
       REQUIRE(victim < 5);
@@ -1145,6 +1148,7 @@ TEST_CASE("random: victims uniform over the candidates, same seed same victims")
       pol.append(0);
       const std::set<std::int32_t> before = held_positions(pol, 0, 0);
       std::int32_t victim = -1;
+      pol.skip_observe(0);
       pol.evict(0, &victim);
       const std::int32_t gone = [&] {
         for (std::int32_t p : before)
@@ -1167,6 +1171,7 @@ TEST_CASE("random: victims uniform over the candidates, same seed same victims")
           if (step % 2 == 1 && b == 1) continue;  // ragged
           pol.append(b);
           std::int32_t v[3] = {-1, -1, -1};
+          pol.skip_observe(b);
           pol.evict(b, v);
           out.insert(out.end(), v, v + 3);
         }
@@ -1187,6 +1192,8 @@ TEST_CASE("random: victims uniform over the candidates, same seed same victims")
       std::int32_t v0 = -1, v1 = -1;
       pol.append(0);
       pol.append(1);
+      pol.skip_observe(0);
+      pol.skip_observe(1);
       pol.evict(0, &v0);
       pol.evict(1, &v1);
       seqs_differ = seqs_differ || v0 != v1;
@@ -1208,6 +1215,7 @@ TEST_CASE("random: each request on a sequence index draws from its own stream") 
     for (int step = 0; step < 200; ++step) {
       pol.append(b);
       std::int32_t v = -1;
+      pol.skip_observe(b);
       pol.evict(b, &v);
       if (v >= 0) victims.push_back(v);
     }
@@ -1247,6 +1255,7 @@ TEST_CASE("random: each request on a sequence index draws from its own stream") 
     pol.reset(1, s2);
     for (int i = 0; i < 9; ++i) pol.append(1);  // positions 0..8 in slots 0..8
     std::int32_t v = -1;
+    pol.skip_observe(1);
     pol.evict(1, &v);
     const std::uint32_t k = uniform_index(random_draw(77, random_use::decode_victim, s2, 0, 8), 9);
     CHECK(v == std::int32_t(k));  // slot s holds position s

@@ -13,6 +13,7 @@
 #include "kvevict/error.hpp"
 #include "kvevict/kv_view.hpp"
 #include "kvevict/layout.hpp"
+#include "kvevict/limits.hpp"
 
 namespace kvevict {
 
@@ -92,15 +93,13 @@ kv_cache<T, Layout> make_cache(Layout layout, std::int32_t num_seqs, std::int32_
 }
 
 inline void require_cache_shape(const char* where, std::int32_t num_seqs, std::int32_t num_heads,
-                                std::int32_t capacity, std::int32_t head_dim) {
+                                std::int32_t capacity, std::int32_t head_dim, std::size_t element_bytes) {
   require_positive(where, "num_seqs", num_seqs);
   require_positive(where, "num_heads", num_heads);
   require_positive(where, "capacity", capacity);
   require_positive(where, "head_dim", head_dim);
-  // Offsets are int64; keep the element count far below that (and size_t).
   const long double elements = static_cast<long double>(num_seqs) * num_heads * capacity * head_dim;
-  if (elements > static_cast<long double>(std::numeric_limits<std::int64_t>::max() / 16))
-    fail<invalid_argument>(where, "num_seqs * num_heads * capacity * head_dim", "= ", elements, " is too large");
+  require_allocation(where, "num_seqs * num_heads * capacity * head_dim", 2.0L * elements * element_bytes);  // K and V
 }
 }  // namespace detail
 
@@ -108,7 +107,7 @@ inline void require_cache_shape(const char* where, std::int32_t num_seqs, std::i
 template <class T>
 kv_cache<T, strided_layout> make_bhsd_cache(std::int32_t num_seqs, std::int32_t num_heads,
                                             std::int32_t capacity, std::int32_t head_dim) {
-  detail::require_cache_shape("make_bhsd_cache", num_seqs, num_heads, capacity, head_dim);
+  detail::require_cache_shape("make_bhsd_cache", num_seqs, num_heads, capacity, head_dim, sizeof(T));
   return detail::make_cache<T>(strided_layout::bhsd(num_heads, capacity, head_dim), num_seqs, num_heads, capacity,
                             head_dim, std::size_t(num_seqs) * num_heads * capacity * head_dim, {});
 }
@@ -117,7 +116,7 @@ kv_cache<T, strided_layout> make_bhsd_cache(std::int32_t num_seqs, std::int32_t 
 template <class T>
 kv_cache<T, strided_layout> make_bshd_cache(std::int32_t num_seqs, std::int32_t num_heads,
                                             std::int32_t capacity, std::int32_t head_dim) {
-  detail::require_cache_shape("make_bshd_cache", num_seqs, num_heads, capacity, head_dim);
+  detail::require_cache_shape("make_bshd_cache", num_seqs, num_heads, capacity, head_dim, sizeof(T));
   return detail::make_cache<T>(strided_layout::bshd(num_heads, capacity, head_dim), num_seqs, num_heads, capacity,
                             head_dim, std::size_t(num_seqs) * num_heads * capacity * head_dim, {});
 }
@@ -129,7 +128,7 @@ kv_cache<T, strided_layout> make_bshd_cache(std::int32_t num_seqs, std::int32_t 
 template <class T>
 kv_cache<T, paged_layout> make_paged_cache(std::int32_t num_seqs, std::int32_t num_heads, std::int32_t capacity,
                                            std::int32_t head_dim, std::int32_t page_size, page_order order) {
-  detail::require_cache_shape("make_paged_cache", num_seqs, num_heads, capacity, head_dim);
+  detail::require_cache_shape("make_paged_cache", num_seqs, num_heads, capacity, head_dim, sizeof(T));
   detail::require_positive("make_paged_cache", "page_size", page_size);
   const std::int32_t pages_per_seq = pages_for(capacity, page_size);
   if (std::int64_t{num_seqs} * pages_per_seq > std::numeric_limits<std::int32_t>::max())
@@ -140,6 +139,9 @@ kv_cache<T, paged_layout> make_paged_cache(std::int32_t num_seqs, std::int32_t n
     for (std::int32_t i = 0; i < pages_per_seq; ++i)
       table[std::size_t(b) * pages_per_seq + i] = b * pages_per_seq + (pages_per_seq - 1 - i);
   const std::int32_t num_pages = num_seqs * pages_per_seq;
+  // Whole pages: a page_size far above the capacity allocates more than the shape says.
+  detail::require_allocation("make_paged_cache", "the page pool",
+                             2.0L * num_pages * page_size * num_heads * head_dim * sizeof(T));
   const paged_layout layout =
       paged_layout::make(nullptr, pages_per_seq, num_pages, page_size, num_heads, head_dim, order);
   return detail::make_cache<T>(layout, num_seqs, num_heads, capacity, head_dim,

@@ -22,6 +22,7 @@
 #include "kvevict/kv_cache.hpp"
 #include "kvevict/kv_view.hpp"
 #include "kvevict/layout.hpp"
+#include "kvevict/limits.hpp"
 #include "kvevict/order.hpp"
 #include "kvevict/philox.hpp"
 #include "kvevict/policy/budget.hpp"

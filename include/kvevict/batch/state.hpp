@@ -159,6 +159,9 @@ void require_history_extent(const site& w, const policy_shape& shape, const hist
   if (history.max_tokens < shape.capacity)
     fail<invalid_argument>(w, "history.max_tokens", "= ", history.max_tokens, " is below the capacity ",
                            shape.capacity);
+  // K and V as float per (b, h, token), before carve_state sums it in size_t.
+  require_allocation(w, "history.max_tokens * history.head_dim",
+                     8.0L * shape.num_seqs * shape.num_kv_heads * history.max_tokens * history.head_dim);
 }
 
 }  // namespace detail

@@ -58,45 +58,43 @@ class exact_greedy_policy : public policy_base<exact_greedy_policy> {
         config_(config),
         hist_k_(std::size_t(shape.num_seqs) * shape.num_kv_heads),
         hist_v_(hist_k_.size()),
-        observed_(std::size_t(shape.num_seqs), 0),
-        last_append_(std::size_t(shape.num_seqs), 0),
         members_(std::size_t(shape.capacity)),
         member_slots_(std::size_t(shape.capacity)),
         errors_(std::size_t(shape.capacity)) {}
 
   const exact_greedy_config& config() const noexcept { return config_; }
 
-  /// Reads the newest token's K/V rows from `view` into the history and
+  /// Reads the K/V rows of the tokens appended since the last observe (one,
+  /// or several after a multi-token append) from `view` into the history and
   /// scores every cached token with the error its eviction would cause for
   /// the queries in.q (in.lse is not used). Call once per step, after append
   /// and before evict.
   template <class Q, class T, class Layout>
   void observe(std::int32_t b, const decode_queries<Q>& in, const kv_view<T, Layout>& view) {
     const detail::site w = where("observe");
-    require_decoding(w, b);
+    require_observable(w, b);
     require_view(w, view);
     require_head_dim(w, view.head_dim);
     require_decode_queries(w, in, view.head_dim);
     const std::int32_t len = slots_.length(b);
-    // The tokens of the last append call (one, or several after a
-    // multi-token append) join the history now; any earlier unobserved token
-    // means a step went unobserved. Each is still cached: eviction needs an
-    // observe first.
-    for (std::int32_t h = 0; h < shape_.num_kv_heads; ++h) {
-      const std::int32_t rows = history_length(b, h);
-      if (rows < last_append_[std::size_t(b)])
-        detail::fail_state<state_error>(w, "sequence ", b, " has ", len, " tokens but only ", rows,
-                                        " were observed; observe must run every step");
-      for (std::int32_t p = rows; p < len; ++p) require_finite_row(w, view, b, h, slots_.slot_of(b, h, p));
-    }
+    // Every token appended since the last observe joins the history now;
+    // each is still cached, since the protocol refuses eviction before an
+    // observe (and skip_observe does not exist here).
+    for (std::int32_t h = 0; h < shape_.num_kv_heads; ++h)
+      for (std::int32_t p = history_length(b, h); p < len; ++p)
+        require_finite_row(w, view, b, h, slots_.slot_of(b, h, p));
     head_dim_ = view.head_dim;
     for (std::int32_t h = 0; h < shape_.num_kv_heads; ++h)
       for (std::int32_t p = history_length(b, h); p < len; ++p) record(view, b, h, p, slots_.slot_of(b, h, p));
     load_queries(b, in.q);
     scale_ = in.scale;
     for (std::int32_t h = 0; h < shape_.num_kv_heads; ++h) evaluate(b, h);
-    observed_[std::size_t(b)] = len;
+    unobserved_[std::size_t(b)] = 0;
   }
+
+  /// No opt-out: the oracle scores each step with that step's queries, and a
+  /// skipped step would leave the new token unscored.
+  void skip_observe(std::int32_t b) = delete;
 
   /// Compresses a prompt of `length` tokens (position p in slot p) by greedy
   /// removal, one token at a time, judged with the last prompt row's
@@ -118,17 +116,7 @@ class exact_greedy_policy : public policy_base<exact_greedy_policy> {
     load_queries(b, last_row.q);
     scale_ = last_row.scale;
     std::fill(scratch_.begin(), scratch_.end(), 0.0f);
-    const prefill_result result = commit_prefill(w, b, length, &view);
-    observed_[std::size_t(b)] = length;
-    return result;
-  }
-
-  /// policy_base::evict hook: the scores must be those of this step.
-  /// append and the multi-token append of policy_base, remembering where
-  /// the step's tokens start (observe records them all).
-  std::int32_t append(std::int32_t b) { return note_append(b, policy_base::append(b)); }
-  std::int32_t append(std::int32_t b, std::int32_t tokens, std::int32_t* slots) {
-    return note_append(b, policy_base::append(b, tokens, slots));
+    return commit_prefill(w, b, length, &view);
   }
 
   /// evict_to, greedily: one victim at a time, the leave-one-out errors of
@@ -147,19 +135,12 @@ class exact_greedy_policy : public policy_base<exact_greedy_policy> {
     return std::max(surplus, 0);
   }
 
-  void check_evict(const detail::site& w, std::int32_t b) const {
-    if (observed_[std::size_t(b)] != slots_.length(b))
-      detail::fail_state<state_error>(w, "sequence ", b, " was not observed since its last append");
-  }
-
   /// policy_base::reset hook: forget the history too.
   void on_reset(std::int32_t b) noexcept {
     for (std::int32_t h = 0; h < shape_.num_kv_heads; ++h) {
       hist_k_[std::size_t(head_index(b, h))].clear();
       hist_v_[std::size_t(head_index(b, h))].clear();
     }
-    observed_[std::size_t(b)] = 0;
-    last_append_[std::size_t(b)] = 0;
   }
 
   /// Rows of (b, h)'s history: every position it has seen.
@@ -201,11 +182,6 @@ class exact_greedy_policy : public policy_base<exact_greedy_policy> {
   }
 
  private:
-  std::int32_t note_append(std::int32_t b, std::int32_t first) {
-    last_append_[std::size_t(b)] = first;
-    return first;
-  }
-
   void require_head_dim(const detail::site& w, std::int32_t head_dim) const {
     if (head_dim_ != 0 && head_dim != head_dim_)
       detail::fail<invalid_argument>(w, "view.head_dim", "= ", head_dim, ", the history has ", head_dim_);
@@ -287,8 +263,6 @@ class exact_greedy_policy : public policy_base<exact_greedy_policy> {
 
   exact_greedy_config config_;
   std::vector<std::vector<float>> hist_k_, hist_v_;  // [B * Hkv][position][head_dim]
-  std::vector<std::int32_t> observed_;               // length at the last observe, per sequence
-  std::vector<std::int32_t> last_append_;            // first position of the last append call, per sequence
   std::vector<float> queries_;                       // [B][Hq][head_dim]: each sequence's last query rows
   std::vector<std::int32_t> members_, member_slots_;  // cached positions of one (b, h) and their slots
   mutable std::vector<double> errors_, work_;         // [capacity] errors, leave-one-out scratch

@@ -11,6 +11,12 @@
 // input of score_inputs.hpp, eviction with zero K/V bytes moved, and prefill
 // compaction on any kv_view. Every public call validates first and commits
 // after, so a thrown kvevict::error leaves the policy and the cache unchanged.
+//
+// The decode protocol is enforced per sequence: append (one call or several)
+// -> observe once -> evict or evict_to. An evict after an append without an
+// observe would pick its victim from stale scores, and a second observe would
+// count the step twice: both throw state_error. skip_observe is the explicit
+// opt-out for engines that do not observe every step.
 // All buffers are sized at construction: the decode path allocates nothing.
 #include <algorithm>
 #include <cmath>
@@ -53,6 +59,12 @@ class policy_base {
     detail::require_index(where("length"), "sequence", b, shape_.num_seqs);
     return slots_.length(b);
   }
+  /// True between an append to sequence b and its observe (or skip_observe):
+  /// evict and evict_to are refused then, observe is due.
+  bool awaiting_observe(std::int32_t b) const {
+    detail::require_index(where("awaiting_observe"), "sequence", b, shape_.num_seqs);
+    return unobserved_[std::size_t(b)] != 0;
+  }
   /// Accumulated score of slot s of (b, h); 0 for a free slot.
   float score(std::int32_t b, std::int32_t h, std::int32_t s) const {
     require_head(where("score"), b, h);
@@ -85,6 +97,7 @@ class policy_base {
       slots_.next_slot_ref(b, h) = next_slot_after_append(++slots_.count_ref(b, h), rule_.budget);
     }
     slots_.length_ref(b) = position + 1;
+    unobserved_[std::size_t(b)] = 1;
     return position;
   }
 
@@ -115,6 +128,7 @@ class policy_base {
       slots_.next_slot_ref(b, h) = next_slot_after_append(count + tokens, rule_.budget);
     }
     slots_.length_ref(b) = first + tokens;
+    unobserved_[std::size_t(b)] = 1;
     return first;
   }
 
@@ -165,6 +179,7 @@ class policy_base {
     detail::require_index(where("reset"), "sequence", b, shape_.num_seqs);
     derived().on_reset(b);
     slots_.clear(b);
+    unobserved_[std::size_t(b)] = 0;
     for (std::int32_t h = 0; h < shape_.num_kv_heads; ++h) std::fill_n(mutable_scores(b, h), shape_.capacity, 0.0f);
   }
 
@@ -174,13 +189,12 @@ class policy_base {
   /// and returns the number of slots freed.
   std::int32_t evict(std::int32_t b, std::int32_t* victim_slots = nullptr) {
     const detail::site w = where("evict");
-    detail::require_index(w, "sequence", b, shape_.num_seqs);
+    require_observed(w, b);
     const std::int32_t heads = shape_.num_kv_heads;
     if (slots_.count(b, 0) <= rule_.budget) {
       if (victim_slots) std::fill_n(victim_slots, heads, -1);
       return 0;
     }
-    derived().check_evict(w, b);
     // Decide every head before changing any, so a failure changes nothing.
     for (std::int32_t h = 0; h < heads; ++h) {
       const std::int32_t s = derived().choose_victim(b, h);
@@ -198,12 +212,22 @@ class policy_base {
     return heads;
   }
 
+  /// The protocol's opt-out: ends sequence b's step without adding scores,
+  /// for engines that skip observation on purpose (no attention weights this
+  /// step, or scoring every n-th step). The scores stay as they are, so the
+  /// next evict decides on them (and a new token's score is 0). Like observe,
+  /// it needs an append since the last observe.
+  void skip_observe(std::int32_t b) {
+    require_observable(where("skip_observe"), b);
+    unobserved_[std::size_t(b)] = 0;
+  }
+
   // ---- decode scores (docs/semantics.md, "Scores"); after attention, before evict ----
 
   /// Adds reduce over the group of probs(q, s) to every occupied slot.
   void observe(std::int32_t b, const decode_probs& in) {
     const detail::site w = where("observe");
-    require_decoding(w, b);
+    require_observable(w, b);
     const std::int32_t expected[2] = {shape_.num_q_heads, occupied_width(b)};
     const bool at_least[2] = {false, true};
     detail::require_extents(w, "probs", in.probs, expected, at_least);
@@ -216,7 +240,7 @@ class policy_base {
   /// Adds per-KV-head increments the engine reduced itself.
   void observe(std::int32_t b, const head_scores& in) {
     const detail::site w = where("observe");
-    require_decoding(w, b);
+    require_observable(w, b);
     const std::int32_t expected[2] = {shape_.num_kv_heads, occupied_width(b)};
     const bool at_least[2] = {false, true};
     detail::require_extents(w, "scores", in.scores, expected, at_least);
@@ -235,7 +259,7 @@ class policy_base {
   /// lse(q)), computed as every backend computes it (probability_from_logit).
   void observe(std::int32_t b, const decode_logits& in) {
     const detail::site w = where("observe");
-    require_decoding(w, b);
+    require_observable(w, b);
     const std::int32_t expected[2] = {shape_.num_q_heads, occupied_width(b)};
     const bool at_least[2] = {false, true};
     detail::require_extents(w, "logits", in.logits, expected, at_least);
@@ -260,7 +284,7 @@ class policy_base {
   template <class Q, class T, class Layout>
   void observe(std::int32_t b, const decode_queries<Q>& in, const kv_view<T, Layout>& view) {
     const detail::site w = where("observe");
-    require_decoding(w, b);
+    require_observable(w, b);
     require_view(w, view);
     require_decode_queries(w, in, view.head_dim);
     require_lse(w, in.lse);
@@ -374,10 +398,10 @@ class policy_base {
     victims_.assign(std::size_t(shape.num_kv_heads), -1);
     moves_.assign(std::size_t(shape.num_kv_heads) * shape.capacity, slot_move{});
     move_counts_.assign(std::size_t(shape.num_kv_heads), 0);
+    unobserved_.assign(std::size_t(shape.num_seqs), 0);
   }
 
   // Optional hooks; a policy with state of its own hides them.
-  void check_evict(const detail::site&, std::int32_t) const {}  // throws to refuse an eviction
   /// Frees head h's surplus over `target` (evict_to), by the decode rule.
   std::int32_t free_surplus(std::int32_t b, std::int32_t h, std::int32_t target) {
     return detail::free_surplus(rule_, slots_.positions_of(b, h), mutable_scores(b, h), shape_.capacity,
@@ -480,12 +504,11 @@ class policy_base {
   }
 
   void require_evict_to(const detail::site& w, std::int32_t b, std::int32_t target) const {
-    detail::require_index(w, "sequence", b, shape_.num_seqs);
+    require_observed(w, b);
     const std::int64_t protected_max = std::int64_t{rule_.protect.sinks} + rule_.protect.recent;
     if (target < protected_max || target > shape_.capacity)
       detail::fail<budget_error>(w, "target", "= ", target, " is outside [sinks + recent = ", protected_max,
                                  ", capacity = ", shape_.capacity, "]");
-    if (slots_.count(b, 0) > target) derived().check_evict(w, b);
   }
 
   /// evict_to's decisions and slot-table changes for every head of b; the
@@ -512,9 +535,21 @@ class policy_base {
     detail::require_index(w, "head", h, shape_.num_kv_heads);
   }
 
-  void require_decoding(const detail::site& w, std::int32_t b) const {
+  /// observe (and skip_observe) needs an append since the last observe.
+  void require_observable(const detail::site& w, std::int32_t b) const {
     detail::require_index(w, "sequence", b, shape_.num_seqs);
     if (slots_.length(b) == 0) detail::fail_state<state_error>(w, "sequence ", b, " holds no token; call append first");
+    if (!unobserved_[std::size_t(b)])
+      detail::fail_state<state_error>(w, "sequence ", b, " was already observed since its last append; ",
+                                      "observe once per step (append, observe, evict)");
+  }
+
+  /// evict and evict_to need this step's scores: no append since the last observe.
+  void require_observed(const detail::site& w, std::int32_t b) const {
+    detail::require_index(w, "sequence", b, shape_.num_seqs);
+    if (unobserved_[std::size_t(b)])
+      detail::fail_state<state_error>(w, "sequence ", b, " was appended but not observed; ",
+                                      "call observe (or skip_observe) before evicting");
   }
 
   void require_prefill(const detail::site& w, std::int32_t b, std::int32_t length) const {
@@ -583,6 +618,7 @@ class policy_base {
       for (std::int32_t s = 0; s < shape_.capacity; ++s)
         if (pos[s] >= 0) score[s] += inc[s];
     }
+    unobserved_[std::size_t(b)] = 0;
   }
 
   /// Selects every head's keep set from the prefill scores in scratch_, then
@@ -634,6 +670,7 @@ class policy_base {
   std::vector<std::int32_t> victims_;  // [Hkv]
   std::vector<slot_move> moves_;       // [Hkv][capacity] evict_to's row moves
   std::vector<std::int32_t> move_counts_;  // [Hkv]
+  std::vector<std::uint8_t> unobserved_;   // [B]: 1 from an append until its observe
 };
 
 }  // namespace kvevict

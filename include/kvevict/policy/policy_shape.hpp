@@ -3,6 +3,7 @@
 #include <cstdint>
 
 #include "kvevict/error.hpp"
+#include "kvevict/limits.hpp"
 #include "kvevict/score_inputs.hpp"
 
 namespace kvevict {
@@ -64,6 +65,10 @@ void validate_shape(const Where& where, const policy_shape& s, std::int32_t budg
   if (s.capacity < std::int64_t{budget} + 1)
     fail<budget_error>(where, "shape.capacity", "= ", s.capacity, " cannot hold budget = ", budget,
                        " plus the spare slot (needs ", std::int64_t{budget} + 1, ")");
+  // A position and a score per (b, h, slot), and about 16 bytes of scratch per (h, slot).
+  const long double slots = static_cast<long double>(s.num_seqs) * s.num_kv_heads * s.capacity;
+  require_allocation(where, "shape.num_seqs * shape.num_kv_heads * shape.capacity",
+                     8.0L * slots + 16.0L * s.num_kv_heads * s.capacity);
 }
 
 }  // namespace detail

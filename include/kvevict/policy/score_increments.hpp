@@ -69,6 +69,10 @@ void reduce_groups(const Where& where, const char* arg, const group_info& g, std
       const slot_increment inc =
           fold_group(h * g.group_size, g.group_size, g.reduce, true, [&](std::int32_t q) { return value(q, c); });
       if (inc.code != batch_code::ok) fail_input(where, arg, inc, value(inc.query, c), c);
+      // Finite elements can still sum past FLT_MAX: refuse, as for the score.
+      if (!std::isfinite(inc.value))
+        fail<non_finite_error>(where, concat(arg, "[", h * g.group_size, "..", (h + 1) * g.group_size - 1, "][", c, "]"),
+                               "overflows to ", inc.value, " when reduced over the query heads of KV head ", h);
       row[c] = inc.value;
     }
   }
