@@ -4,6 +4,7 @@
 // in higher precision; and the status word of the batched calls.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -238,4 +239,81 @@ TEST_CASE("out-of-range enum values are rejected, naming the argument") {
   } catch (const invalid_argument& e) {
     CHECK(std::string(e.what()).find("'config.reduce' = 9") != std::string::npos);
   }
+}
+
+// ---- the host hot path (decode_pass.hpp) against the scalar rules it replaces ----
+
+TEST_CASE("decode_pass: the vectorised fold, add and victim search decide as fold_group and pick_victim") {
+  std::mt19937 rng(20261123u);
+  const float specials[] = {0.0f, -0.0f, 1.0f, 0.5f, 0.25f, 1e-40f, 3e38f};
+  std::int32_t trials = 0, ties = 0;
+  for (int trial = 0; trial < 4000; ++trial) {
+    const std::int32_t width = 1 + std::int32_t(rng() % 37);  // not a multiple of 4 most of the time
+    const std::int32_t g = 1 + std::int32_t(rng() % 5);
+    const group_reduce reduce = static_cast<group_reduce>(rng() % 3);
+    // Positions: a permutation of a window ending at length - 1, some slots free.
+    const std::int32_t length = width + std::int32_t(rng() % 50);
+    std::vector<std::int32_t> pos(static_cast<std::size_t>(width));
+    for (std::int32_t s = 0; s < width; ++s) pos[std::size_t(s)] = length - 1 - s;
+    std::shuffle(pos.begin(), pos.end(), rng);
+    for (std::int32_t s = 0; s < width; ++s)
+      if (rng() % 5 == 0) pos[std::size_t(s)] = -1;
+    // Probabilities on a coarse grid (many exact ties), garbage in free columns.
+    std::vector<float> probs(std::size_t(g) * width);
+    for (std::int32_t j = 0; j < g; ++j)
+      for (std::int32_t s = 0; s < width; ++s)
+        probs[std::size_t(j) * width + s] = pos[std::size_t(s)] < 0 ? std::nanf("") : float(rng() % 4) / 4.0f;
+    std::vector<float> fast(static_cast<std::size_t>(width));
+    REQUIRE(detail::fold_probability_rows([&](std::int32_t j) { return probs.data() + std::size_t(j) * width; }, g,
+                                          reduce, pos.data(), width, fast.data()));
+    std::vector<float> score(std::size_t(width), 0.0f), reference(std::size_t(width), 0.0f);
+    for (std::int32_t s = 0; s < width; ++s) {
+      if (pos[std::size_t(s)] < 0) continue;
+      const slot_increment inc =
+          fold_group(0, g, reduce, true, [&](std::int32_t q) { return probs[std::size_t(q) * width + s]; });
+      REQUIRE(inc.code == batch_code::ok);
+      CHECK(std::memcmp(&inc.value, &fast[std::size_t(s)], sizeof(float)) == 0);
+      // Scores of any sign, signed zeros included; free slots hold +0.
+      score[std::size_t(s)] = specials[rng() % 6] * (rng() % 2 ? 1.0f : -1.0f);
+      reference[std::size_t(s)] = score[std::size_t(s)] + inc.value;
+    }
+    REQUIRE(detail::sums_stay_finite(score.data(), fast.data(), pos.data(), width));
+    detail::add_increments(score.data(), fast.data(), pos.data(), width);
+    CHECK(std::memcmp(score.data(), reference.data(), sizeof(float) * std::size_t(width)) == 0);
+    for (const victim_rule victim : {victim_rule::lowest_score, victim_rule::oldest}) {
+      decode_rule rule;
+      rule.victim = victim;
+      rule.protect = {std::int32_t(rng() % 3), std::int32_t(rng() % 4)};
+      std::vector<std::int32_t> scratch(static_cast<std::size_t>(width));
+      const std::int32_t expected = pick_victim(rule, pos.data(), score.data(), width, length, 0, 0, scratch.data());
+      CHECK(detail::find_victim(rule, score.data(), pos.data(), width, length) == expected);
+      ++trials;
+    }
+    ties += std::int32_t(std::count(score.begin(), score.end(), 0.0f)) > 1;
+  }
+  CHECK(trials == 8000);
+  CHECK(ties > 1000);  // the grid makes ties common, so the position tie-break is exercised
+}
+
+TEST_CASE("decode_pass: a bad element anywhere in an occupied column fails the row check; free columns are ignored") {
+  const std::int32_t width = 11;
+  std::vector<std::int32_t> pos(width);
+  for (std::int32_t s = 0; s < width; ++s) pos[std::size_t(s)] = s == 6 ? -1 : s;
+  std::vector<float> row(width, 0.5f), out(width);
+  const auto fold = [&] {
+    return detail::fold_probability_rows([&](std::int32_t) { return row.data(); }, 2, group_reduce::sum, pos.data(),
+                                         width, out.data());
+  };
+  CHECK(fold());
+  for (const float bad : {std::nanf(""), std::numeric_limits<float>::infinity(), -0.25f})
+    for (std::int32_t s = 0; s < width; ++s) {
+      row.assign(width, 0.5f);
+      row[std::size_t(s)] = bad;
+      CHECK(fold() == (s == 6));  // slot 6 is free: its column is ignored
+      CHECK(detail::copy_finite_row(row.data(), pos.data(), width, out.data()) == (s == 6 || bad == -0.25f));
+    }
+  row.assign(width, 3e38f);  // each element valid, the sum over the two rows is not
+  CHECK_FALSE(fold());
+  std::vector<float> big(width, 3e38f);
+  CHECK_FALSE(detail::sums_stay_finite(big.data(), big.data(), pos.data(), width));
 }

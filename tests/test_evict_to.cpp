@@ -256,6 +256,26 @@ TEST_CASE("evict_to frees what repeated single evictions free (h2o, recent_windo
   }
 }
 
+TEST_CASE("evict after evict_to decides on the moved slots, not on what observe found before") {
+  // observe finds each head's victim in its pass over the scores; evict_to
+  // then moves rows, so a following evict must not use that victim.
+  kv::h2o_policy policy(shape_of(16), {6, 2});
+  auto cache = kv::make_bhsd_cache<float>(kSeqs, kHeads, 16, kDim);
+  std::vector<float> inc(std::size_t(kHeads) * 16);
+  for (std::size_t i = 0; i < inc.size(); ++i) inc[i] = float((i * 5) % 7) / 8.0f;
+  const kv::head_scores scores{kv::make_tensor_view<const float>(inc.data(), kHeads, 16)};
+  policy.append(0, 12, nullptr);
+  policy.observe(0, scores);
+  CHECK(policy.evict_to(0, 9, cache.view()) == 3);  // target above the budget 8: rows move into the holes
+  std::int32_t expected[kHeads], victims[kHeads];
+  for (std::int32_t h = 0; h < kHeads; ++h) expected[h] = policy.choose_victim(0, h);  // the scalar rule, now
+  CHECK(policy.evict(0, victims) == kHeads);  // 9 tokens, budget 8
+  for (std::int32_t h = 0; h < kHeads; ++h) {
+    CHECK(victims[h] == expected[h]);
+    CHECK(policy.slots().position(0, h, victims[h]) == -1);
+  }
+}
+
 TEST_CASE("random evict_to draws victim j with round j of its Philox counter") {
   std::mt19937 rng(5);
   const std::int32_t cap = 24;

@@ -30,6 +30,7 @@
 #include "kvevict/kv_view.hpp"
 #include "kvevict/order.hpp"
 #include "kvevict/policy/column_sums.hpp"
+#include "kvevict/policy/decode_pass.hpp"
 #include "kvevict/policy/decode_rules.hpp"
 #include "kvevict/policy/evict_to.hpp"
 #include "kvevict/policy/policy_shape.hpp"
@@ -98,6 +99,7 @@ class policy_base {
     }
     slots_.length_ref(b) = position + 1;
     unobserved_[std::size_t(b)] = 1;
+    victims_found_[std::size_t(b)] = 0;
     return position;
   }
 
@@ -129,6 +131,7 @@ class policy_base {
     }
     slots_.length_ref(b) = first + tokens;
     unobserved_[std::size_t(b)] = 1;
+    victims_found_[std::size_t(b)] = 0;
     return first;
   }
 
@@ -180,6 +183,7 @@ class policy_base {
     derived().on_reset(b);
     slots_.clear(b);
     unobserved_[std::size_t(b)] = 0;
+    victims_found_[std::size_t(b)] = 0;
     for (std::int32_t h = 0; h < shape_.num_kv_heads; ++h) std::fill_n(mutable_scores(b, h), shape_.capacity, 0.0f);
   }
 
@@ -196,8 +200,10 @@ class policy_base {
       return 0;
     }
     // Decide every head before changing any, so a failure changes nothing.
+    // observe found the victims in its pass over the scores, where it could.
+    const bool found = victims_found_[std::size_t(b)] != 0;
     for (std::int32_t h = 0; h < heads; ++h) {
-      const std::int32_t s = derived().choose_victim(b, h);
+      const std::int32_t s = found ? found_victims_[std::size_t(head_index(b, h))] : derived().choose_victim(b, h);
       if (s < 0) detail::fail_state<state_error>(w, "sequence ", b, " head ", h, " has no evictable token");
       victims_[std::size_t(h)] = s;
     }
@@ -209,6 +215,7 @@ class policy_base {
       slots_.next_slot_ref(b, h) = s;
       if (victim_slots) victim_slots[h] = s;
     }
+    victims_found_[std::size_t(b)] = 0;
     return heads;
   }
 
@@ -231,10 +238,17 @@ class policy_base {
     const std::int32_t expected[2] = {shape_.num_q_heads, occupied_width(b)};
     const bool at_least[2] = {false, true};
     detail::require_extents(w, "probs", in.probs, expected, at_least);
-    detail::reduce_groups(
-        w, "probs", group(), expected[1], occupied(b), [&](std::int32_t q, std::int32_t s) { return in.probs(q, s); },
-        scratch_.data(), shape_.capacity);
-    commit_increments(w, b);
+    const std::int32_t g = shape_.group_size();
+    bool valid = in.probs.strides[1] == 1;  // the fast path reads rows
+    for (std::int32_t h = 0; valid && h < shape_.num_kv_heads; ++h)
+      valid = detail::fold_probability_rows([&](std::int32_t j) { return &in.probs(h * g + j, 0); }, g, rule_.reduce,
+                                            slots_.positions_of(b, h), expected[1],
+                                            scratch_.data() + std::size_t(h) * shape_.capacity);
+    if (!valid)  // strided columns, or a bad element to name: the scalar rule
+      detail::reduce_groups(
+          w, "probs", group(), expected[1], occupied(b), [&](std::int32_t q, std::int32_t s) { return in.probs(q, s); },
+          scratch_.data(), shape_.capacity);
+    commit_increments(w, b, expected[1]);
   }
 
   /// Adds per-KV-head increments the engine reduced itself.
@@ -244,15 +258,21 @@ class policy_base {
     const std::int32_t expected[2] = {shape_.num_kv_heads, occupied_width(b)};
     const bool at_least[2] = {false, true};
     detail::require_extents(w, "scores", in.scores, expected, at_least);
-    const auto wanted = occupied(b);
-    for (std::int32_t h = 0; h < shape_.num_kv_heads; ++h)
-      for (std::int32_t s = 0; s < expected[1]; ++s)
-        if (wanted(h, s)) {
-          const float x = in.scores(h, s);
-          detail::require_finite(w, "scores", x, h, s);
-          scratch_[std::size_t(h) * shape_.capacity + s] = x;
-        }
-    commit_increments(w, b);
+    bool valid = in.scores.strides[1] == 1;
+    for (std::int32_t h = 0; valid && h < shape_.num_kv_heads; ++h)
+      valid = detail::copy_finite_row(&in.scores(h, 0), slots_.positions_of(b, h), expected[1],
+                                      scratch_.data() + std::size_t(h) * shape_.capacity);
+    if (!valid) {  // strided columns, or a bad element to name
+      const auto wanted = occupied(b);
+      for (std::int32_t h = 0; h < shape_.num_kv_heads; ++h)
+        for (std::int32_t s = 0; s < expected[1]; ++s)
+          if (wanted(h, s)) {
+            const float x = in.scores(h, s);
+            detail::require_finite(w, "scores", x, h, s);
+            scratch_[std::size_t(h) * shape_.capacity + s] = x;
+          }
+    }
+    commit_increments(w, b, expected[1]);
   }
 
   /// Fused-attention path with logits: prob = exp(logits(q, s) * scale -
@@ -274,7 +294,7 @@ class policy_base {
         w, "probs from (logits, lse)", group(), expected[1], wanted,
         [&](std::int32_t q, std::int32_t s) { return probability_from_logit(in.logits(q, s), in.scale, in.lse(q), in.base); },
         scratch_.data(), shape_.capacity);
-    commit_increments(w, b);
+    commit_increments(w, b, expected[1]);
   }
 
   /// Fused-attention path: recomputes prob = exp(q . k_s * scale - lse) from
@@ -300,7 +320,7 @@ class policy_base {
           return probability_from_logit(logit, in.scale, in.lse(q), in.base);
         },
         scratch_.data(), shape_.capacity);
-    commit_increments(w, b);
+    commit_increments(w, b, width);
   }
 
   // ---- prefill compression: prompt position p sits in slot p ----
@@ -399,6 +419,8 @@ class policy_base {
     moves_.assign(std::size_t(shape.num_kv_heads) * shape.capacity, slot_move{});
     move_counts_.assign(std::size_t(shape.num_kv_heads), 0);
     unobserved_.assign(std::size_t(shape.num_seqs), 0);
+    found_victims_.assign(std::size_t(shape.num_seqs) * shape.num_kv_heads, -1);
+    victims_found_.assign(std::size_t(shape.num_seqs), 0);
   }
 
   // Optional hooks; a policy with state of its own hides them.
@@ -514,6 +536,7 @@ class policy_base {
   /// evict_to's decisions and slot-table changes for every head of b; the
   /// moves land in moves_ / move_counts_. Nothing here can fail.
   std::int32_t evict_surplus(std::int32_t b, std::int32_t target) {
+    victims_found_[std::size_t(b)] = 0;  // slots move: a later evict decides afresh
     std::int32_t freed = 0;
     for (std::int32_t h = 0; h < shape_.num_kv_heads; ++h) {
       freed = derived().free_surplus(b, h, target);
@@ -599,25 +622,29 @@ class policy_base {
         scratch_.data(), shape_.capacity);
   }
 
-  /// Adds the validated increments in scratch_ to the occupied slots of b,
-  /// after checking that no score would overflow to a non-finite value.
-  void commit_increments(const detail::site& w, std::int32_t b) {
+  /// Adds the validated increments in scratch_ (columns [0, width)) to the
+  /// occupied slots of b, after checking that no score would overflow to a
+  /// non-finite value, and finds each head's victim in the same pass, so
+  /// evict only reads it. Ends the step's observation.
+  void commit_increments(const detail::site& w, std::int32_t b, std::int32_t width) {
     for (std::int32_t h = 0; h < shape_.num_kv_heads; ++h) {
       const std::int32_t* pos = slots_.positions_of(b, h);
       const float* inc = scratch_.data() + std::size_t(h) * shape_.capacity;
       const float* score = scores_of(b, h);
-      for (std::int32_t s = 0; s < shape_.capacity; ++s)
+      if (detail::sums_stay_finite(score, inc, pos, width)) continue;
+      for (std::int32_t s = 0; s < width; ++s)
         if (pos[s] >= 0 && !std::isfinite(score[s] + inc[s]))
           detail::fail_state<non_finite_error>(w, "sequence ", b, " head ", h, " slot ", s, ": score ", score[s],
                                                " + increment ", inc[s], " overflows");
     }
+    const bool find = rule_.victim != victim_rule::random_rank;
     for (std::int32_t h = 0; h < shape_.num_kv_heads; ++h) {
       const std::int32_t* pos = slots_.positions_of(b, h);
-      const float* inc = scratch_.data() + std::size_t(h) * shape_.capacity;
       float* score = mutable_scores(b, h);
-      for (std::int32_t s = 0; s < shape_.capacity; ++s)
-        if (pos[s] >= 0) score[s] += inc[s];
+      detail::add_increments(score, scratch_.data() + std::size_t(h) * shape_.capacity, pos, width);
+      if (find) found_victims_[std::size_t(head_index(b, h))] = detail::find_victim(rule_, score, pos, width, slots_.length(b));
     }
+    victims_found_[std::size_t(b)] = find ? 1 : 0;
     unobserved_[std::size_t(b)] = 0;
   }
 
@@ -671,6 +698,8 @@ class policy_base {
   std::vector<slot_move> moves_;       // [Hkv][capacity] evict_to's row moves
   std::vector<std::int32_t> move_counts_;  // [Hkv]
   std::vector<std::uint8_t> unobserved_;   // [B]: 1 from an append until its observe
+  std::vector<std::int32_t> found_victims_;  // [B][Hkv]: the victims observe found
+  std::vector<std::uint8_t> victims_found_;  // [B]: 1 while found_victims_ of b is current
 };
 
 }  // namespace kvevict

@@ -1,0 +1,162 @@
+#pragma once
+// The host's decode hot path over one (sequence, KV head): loops over the
+// occupied width that compilers vectorise. They make the same decisions, bit
+// for bit, as the scalar rules of decode_rules.hpp (fold_group, pick_victim),
+// which stay the definition: validation here is one reduction per row, and
+// the callers go back to the scalar, naming path only when it fails.
+//
+// Slots hold position -1 when free; columns of free slots may hold anything
+// (engines leave garbage there) and are masked, never trusted.
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
+#include "kvevict/detail/reproducible_math.hpp"
+#include "kvevict/policy/decode_rules.hpp"
+#include "kvevict/score_inputs.hpp"
+
+namespace kvevict {
+namespace detail {
+
+/// out[s] = reduce over the g rows rows[j] (unit stride) of rows[j][s], for
+/// s < width, folded in ascending j exactly as fold_group folds (sum starts
+/// from 0 + x, max from 0, mean divides the sum by g). Returns false when an
+/// occupied column holds a value that is not a probability (NaN, inf,
+/// negative) or its fold overflows; out is then garbage and the caller
+/// reports the element.
+template <class RowOf>
+bool fold_probability_rows(RowOf rows, std::int32_t g, group_reduce reduce, const std::int32_t* positions,
+                           std::int32_t width, float* out) noexcept {
+  constexpr float kMax = std::numeric_limits<float>::max();
+  std::uint32_t bad = 0;
+  for (std::int32_t j = 0; j < g; ++j) {
+    const float* x = rows(j);
+    if (reduce == group_reduce::max) {
+      for (std::int32_t s = 0; s < width; ++s) {
+        const float v = x[s], acc = j == 0 ? 0.0f : out[s];
+        bad |= std::uint32_t(positions[s] >= 0) & std::uint32_t(!(v >= 0.0f) | (v > kMax));
+        out[s] = v > acc ? v : acc;
+      }
+    } else {
+      for (std::int32_t s = 0; s < width; ++s) {
+        const float v = x[s], acc = j == 0 ? 0.0f : out[s];
+        bad |= std::uint32_t(positions[s] >= 0) & std::uint32_t(!(v >= 0.0f) | (v > kMax));
+        out[s] = add(acc, v);
+      }
+    }
+  }
+  if (reduce == group_reduce::mean) {
+    const float n = static_cast<float>(g);
+    for (std::int32_t s = 0; s < width; ++s) out[s] = div(out[s], n);
+  }
+  // Finite elements can still sum past FLT_MAX (reduce_groups names the group).
+  for (std::int32_t s = 0; s < width; ++s) bad |= std::uint32_t(positions[s] >= 0) & std::uint32_t(out[s] > kMax);
+  return bad == 0;
+}
+
+/// out[s] = x[s] for s < width; false when an occupied column is not finite.
+inline bool copy_finite_row(const float* x, const std::int32_t* positions, std::int32_t width, float* out) noexcept {
+  constexpr float kMax = std::numeric_limits<float>::max();
+  std::uint32_t bad = 0;
+  for (std::int32_t s = 0; s < width; ++s) {
+    const float v = x[s];
+    bad |= std::uint32_t(positions[s] >= 0) & std::uint32_t(!(v >= -kMax) | (v > kMax));
+    out[s] = v;
+  }
+  return bad == 0;
+}
+
+/// True when score[s] + inc[s] stays finite for every occupied s < width.
+inline bool sums_stay_finite(const float* score, const float* inc, const std::int32_t* positions,
+                             std::int32_t width) noexcept {
+  constexpr float kMax = std::numeric_limits<float>::max();
+  std::uint32_t bad = 0;
+  for (std::int32_t s = 0; s < width; ++s) {
+    const float v = score[s] + inc[s];
+    bad |= std::uint32_t(positions[s] >= 0) & std::uint32_t(!(v >= -kMax) | (v > kMax));
+  }
+  return bad == 0;
+}
+
+/// score[s] += inc[s] for the occupied s < width. A free slot's score is +0
+/// (evict and reset clear it) and +0 + +0 is +0, so adding 0 there instead
+/// of branching changes no bit. Every load is unconditional: a load under a
+/// condition stops the vectoriser.
+inline void add_increments(float* score, const float* inc, const std::int32_t* positions,
+                           std::int32_t width) noexcept {
+  for (std::int32_t s = 0; s < width; ++s) {
+    const float x = inc[s];
+    score[s] = add(score[s], positions[s] >= 0 ? x : 0.0f);
+  }
+}
+
+/// The victim among the occupied slots [0, width) by `rule` (lowest_score
+/// or oldest; not random_rank) when the newest position is length - 1: the
+/// slot pick_victim returns, or -1 when every occupied token is protected.
+/// Scores are finite here, so float order is the eviction_key order (-0 and
+/// +0 tie there too); ties go to the lowest position, which is unique.
+inline std::int32_t find_victim(const decode_rule& rule, const float* score, const std::int32_t* positions,
+                                std::int32_t width, std::int32_t length) noexcept {
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  constexpr std::int32_t kNone = std::numeric_limits<std::int32_t>::max();
+  // Unprotected and occupied: sinks <= p < length - recent (p = -1 fails the first when sinks = 0 too).
+  const std::int32_t lo = rule.protect.sinks > 0 ? rule.protect.sinks : 0, hi = length - rule.protect.recent;
+  const bool by_score = rule.victim == victim_rule::lowest_score;
+  std::int32_t s = 0;
+  float lowest = kInf;
+  std::int32_t oldest = kNone, victim = -1;
+#if defined(__SSE2__)
+  // Compilers do not vectorise a min reduction over floats without
+  // -ffast-math, so the bulk goes four slots at a time here.
+  const std::int32_t full = width - width % 4;
+  const __m128i lo4 = _mm_set1_epi32(lo - 1), hi4 = _mm_set1_epi32(hi);
+  const __m128 score_mask = _mm_castsi128_ps(_mm_set1_epi32(by_score ? -1 : 0));
+  __m128 low4 = _mm_set1_ps(kInf);
+  for (; s < full; s += 4) {
+    const __m128i p = _mm_loadu_si128(reinterpret_cast<const __m128i*>(positions + s));
+    const __m128 candidate = _mm_castsi128_ps(_mm_and_si128(_mm_cmpgt_epi32(p, lo4), _mm_cmplt_epi32(p, hi4)));
+    const __m128 key = _mm_and_ps(_mm_loadu_ps(score + s), score_mask);  // oldest: every key 0
+    low4 = _mm_min_ps(low4, _mm_or_ps(_mm_and_ps(candidate, key), _mm_andnot_ps(candidate, _mm_set1_ps(kInf))));
+  }
+  alignas(16) float lanes[4];
+  _mm_store_ps(lanes, low4);
+  for (const float x : lanes) lowest = x < lowest ? x : lowest;
+#endif
+  for (std::int32_t t = s; t < width; ++t) {
+    const std::int32_t p = positions[t];
+    const float key = by_score ? score[t] : 0.0f;
+    if (p >= lo && p < hi && key < lowest) lowest = key;
+  }
+  if (lowest == kInf) return -1;
+  // The lowest position among the candidates at `lowest` (usually one).
+  s = 0;
+#if defined(__SSE2__)
+  const __m128 lowest4 = _mm_set1_ps(lowest);
+  for (; s < full; s += 4) {
+    const __m128i p = _mm_loadu_si128(reinterpret_cast<const __m128i*>(positions + s));
+    const __m128 candidate = _mm_castsi128_ps(_mm_and_si128(_mm_cmpgt_epi32(p, lo4), _mm_cmplt_epi32(p, hi4)));
+    const __m128 at_lowest = _mm_or_ps(_mm_cmpeq_ps(_mm_loadu_ps(score + s), lowest4), _mm_andnot_ps(score_mask, candidate));
+    for (int m = _mm_movemask_ps(_mm_and_ps(candidate, at_lowest)); m != 0; m &= m - 1) {
+      const std::int32_t t = s + __builtin_ctz(static_cast<unsigned>(m));
+      if (positions[t] < oldest) {
+        oldest = positions[t];
+        victim = t;
+      }
+    }
+  }
+#endif
+  for (std::int32_t t = s; t < width; ++t) {
+    const std::int32_t p = positions[t];
+    if (p >= lo && p < hi && p < oldest && (!by_score || score[t] == lowest)) {
+      oldest = p;
+      victim = t;
+    }
+  }
+  return victim;
+}
+
+}  // namespace detail
+}  // namespace kvevict
