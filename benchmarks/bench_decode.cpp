@@ -1,0 +1,418 @@
+// Host decode step (append + observe + evict, one victim per (sequence, KV
+// head), zero K/V bytes moved) per policy, per input kind and per API, with
+// its three baselines in the same binary:
+//
+// - fused_loop: the practical limit, a minimal loop that adds the
+//   group-reduced increments to the scores and tracks the minimum
+//   (score, position) key outside the recent window in one pass;
+// - memcpy of the bytes the h2o step must at least touch (the memory roof);
+// - reference_realdrop: a transcription of the reference Python step
+//   (top-k + sort of the kept indices + gather of the whole K/V cache).
+//
+// One item = one (sequence, KV head) step. Bytes = the inputs the step must
+// read plus the per-slot state it must read and write (score read + write,
+// position read: 12 bytes a slot). Every slot is occupied (N = the
+// scenario's slots, budget N - 1), recent window 64, 4 sinks where a policy
+// has sinks. The cache is filled by one multi-token append of N tokens, so
+// positions sit in slot order but for the slots reused since; a linear pass's
+// cost does not depend on that order.
+#include "bench_common.hpp"
+
+#include <cstring>
+#include <numeric>
+
+namespace {
+
+using namespace kvevict;
+using kvbench::distribution;
+using kvbench::scenario;
+
+constexpr std::int64_t kStateBytesPerSlot = 3 * sizeof(float);  // score read + write, position read
+
+// ---- inputs of one step for the whole batch, laid out [B][heads][N] ----
+
+enum class input_kind { probs, head_scores, logits };
+const char* name_of(input_kind k) {
+  switch (k) {
+    case input_kind::probs: return "probs";
+    case input_kind::head_scores: return "head_scores";
+    case input_kind::logits: return "logits";
+  }
+  return "?";
+}
+
+struct step_inputs {
+  std::vector<float> values;  // probabilities, increments or logits
+  std::vector<float> lse;     // [B][Hq], zeros: logit = log(probability)
+  std::int32_t rows_per_seq;  // Hq, or Hkv for head_scores
+  std::int64_t bytes;         // values + lse
+};
+
+step_inputs make_inputs(const scenario& sc, input_kind kind, distribution d) {
+  step_inputs in;
+  in.rows_per_seq = kind == input_kind::head_scores ? sc.kv_heads : sc.q_heads();
+  const std::size_t n = std::size_t(sc.seqs) * in.rows_per_seq * sc.slots;
+  const std::int32_t row = kind == input_kind::head_scores ? sc.slots / sc.group : sc.slots;
+  in.values = kvbench::probabilities(n, row, d, 1);
+  if (kind == input_kind::logits) {
+    for (float& x : in.values) x = std::log(std::max(x, 1e-30f));
+    in.lse.assign(std::size_t(sc.seqs) * sc.q_heads(), 0.0f);
+  }
+  in.bytes = std::int64_t(in.values.size() * sizeof(float) + in.lse.size() * sizeof(float));
+  return in;
+}
+
+// The per-sequence API's input for sequence b.
+struct per_sequence_input {
+  const step_inputs& in;
+  const scenario& sc;
+  input_kind kind;
+  template <class Policy>
+  void observe(Policy& p, std::int32_t b) const {
+    const float* rows = in.values.data() + std::size_t(b) * in.rows_per_seq * sc.slots;
+    const auto view = make_tensor_view<const float>(rows, in.rows_per_seq, sc.slots);
+    switch (kind) {
+      case input_kind::probs: p.observe(b, decode_probs{view}); break;
+      case input_kind::head_scores: p.observe(b, head_scores{view}); break;
+      case input_kind::logits:
+        p.observe(b, decode_logits{view, make_tensor_view<const float>(in.lse.data() + std::size_t(b) * sc.q_heads(),
+                                                                         sc.q_heads())});
+        break;
+    }
+  }
+};
+
+// ---- the policies under test, each with DESIGN.md's decode shape ----
+
+struct h2o_setup {
+  using policy = h2o_policy;
+  static constexpr const char* name = "h2o";
+  static h2o_config config(std::int32_t budget) { return {budget - kvbench::kRecent, kvbench::kRecent}; }
+};
+struct recent_window_setup {
+  using policy = recent_window_policy;
+  static constexpr const char* name = "recent_window";
+  static recent_window_config config(std::int32_t budget) { return {kvbench::kSinks, budget - kvbench::kSinks}; }
+};
+struct random_setup {
+  using policy = random_policy;
+  static constexpr const char* name = "random";
+  static random_config config(std::int32_t budget) { return {budget, kvbench::kSinks, kvbench::kRecent, 7}; }
+};
+
+policy_shape shape_of(const scenario& sc) { return {sc.seqs, sc.kv_heads, sc.q_heads(), sc.slots}; }
+
+// Per-sequence API: append + observe + evict for every sequence.
+template <class Setup>
+void per_sequence_step(benchmark::State& state, scenario sc, input_kind kind, distribution d) {
+  typename Setup::policy policy(shape_of(sc), Setup::config(sc.slots - 1));
+  const step_inputs in = make_inputs(sc, kind, d);
+  const per_sequence_input input{in, sc, kind};
+  for (std::int32_t b = 0; b < sc.seqs; ++b) {  // fill: N tokens, then the first eviction
+    policy.append(b, sc.slots, nullptr);
+    input.observe(policy, b);
+    policy.evict(b);
+  }
+  for (auto _ : state)
+    for (std::int32_t b = 0; b < sc.seqs; ++b) {
+      policy.append(b);
+      input.observe(policy, b);
+      benchmark::DoNotOptimize(policy.evict(b));
+    }
+  kvbench::report(state, sc.heads_total(), in.bytes + sc.slots_total() * kStateBytesPerSlot);
+}
+
+// Batched host API: one append and one fused observe_evict for the batch.
+template <class Setup>
+void batched_step(benchmark::State& state, scenario sc, input_kind kind, distribution d) {
+  batched_policy<typename Setup::policy, device::host> layer(shape_of(sc), Setup::config(sc.slots - 1));
+  const step_inputs in = make_inputs(sc, kind, d);
+  const auto values = make_tensor_view<const float>(in.values.data(), sc.seqs, in.rows_per_seq, sc.slots);
+  const auto lse = make_tensor_view<const float>(in.lse.data(), sc.seqs, sc.q_heads());
+  const auto observe_evict = [&] {
+    switch (kind) {
+      case input_kind::probs: layer.observe_evict(batch_probs{values}); break;
+      case input_kind::head_scores: layer.observe_evict(batch_head_scores{values}); break;
+      case input_kind::logits: layer.observe_evict(batch_logits{values, lse}); break;
+    }
+  };
+  std::uint64_t status = batch_status_clear;
+  batched_append_tokens(layer.state(), active_set::all(), sc.slots, &status);  // fill
+  throw_if_error(status, "fill");
+  observe_evict();
+  layer.check();
+  for (auto _ : state) {
+    layer.append();
+    observe_evict();
+    benchmark::DoNotOptimize(layer.status_word());
+  }
+  layer.check();
+  kvbench::report(state, sc.heads_total(), in.bytes + sc.slots_total() * kStateBytesPerSlot);
+}
+
+// ---- the queries path: logits recomputed from q and the cached keys ----
+
+// Bytes: the cached keys of every occupied slot (the dominant read), the
+// queries, and the per-slot state.
+template <class T>
+struct queries_fixture {
+  scenario sc;
+  kv_cache<T, strided_layout> cache;
+  std::vector<T> q;
+  std::vector<float> lse;
+  std::int64_t bytes;
+
+  explicit queries_fixture(const scenario& s)
+      : sc(s), cache(make_bhsd_cache<T>(s.seqs, s.kv_heads, s.slots, s.head_dim)) {
+    const auto view = cache.view();
+    const std::vector<T> rows = kvbench::random_rows<T>(std::size_t(s.slots) * s.head_dim, 1.0f, 3);
+    for (std::int32_t b = 0; b < s.seqs; ++b)
+      for (std::int32_t h = 0; h < s.kv_heads; ++h)
+        for (std::int32_t j = 0; j < s.slots; ++j) {
+          std::copy_n(rows.data() + std::size_t(j) * s.head_dim, s.head_dim, view.k_row(b, h, j));
+          std::copy_n(rows.data() + std::size_t(j) * s.head_dim, s.head_dim, view.v_row(b, h, j));
+        }
+    q = kvbench::random_rows<T>(std::size_t(s.seqs) * s.q_heads() * s.head_dim, 1.0f, 5);
+    // |q . k| * scale <= sqrt(head_dim) with entries in [-1, 1]: an LSE above
+    // that keeps every recomputed probability in (0, 1].
+    lse.assign(std::size_t(s.seqs) * s.q_heads(), std::sqrt(float(s.head_dim)) + 1.0f);
+    bytes = s.slots_total() * (std::int64_t(s.head_dim) * std::int64_t(sizeof(T)) + kStateBytesPerSlot) +
+            std::int64_t(q.size() * sizeof(T) + lse.size() * sizeof(float));
+  }
+  float scale() const { return 1.0f / std::sqrt(float(sc.head_dim)); }
+  decode_queries<T> of(std::int32_t b) const {
+    return {make_tensor_view<const T>(q.data() + std::size_t(b) * sc.q_heads() * sc.head_dim, sc.q_heads(),
+                                      sc.head_dim),
+            make_tensor_view<const float>(lse.data() + std::size_t(b) * sc.q_heads(), sc.q_heads()), scale()};
+  }
+  batch_queries<T> batch() const {
+    return {make_tensor_view<const T>(q.data(), sc.seqs, sc.q_heads(), sc.head_dim),
+            make_tensor_view<const float>(lse.data(), sc.seqs, sc.q_heads()), scale()};
+  }
+};
+
+template <class Policy, class Config, class T>
+void per_sequence_queries_step(benchmark::State& state, scenario sc, Config config) {
+  queries_fixture<T> fx(sc);
+  Policy policy(shape_of(sc), config);
+  const auto view = fx.cache.view();
+  for (std::int32_t b = 0; b < sc.seqs; ++b) {
+    policy.append(b, sc.slots, nullptr);
+    policy.observe(b, fx.of(b), view);
+    policy.evict(b);
+  }
+  for (auto _ : state)
+    for (std::int32_t b = 0; b < sc.seqs; ++b) {
+      policy.append(b);
+      policy.observe(b, fx.of(b), view);
+      benchmark::DoNotOptimize(policy.evict(b));
+    }
+  kvbench::report(state, sc.heads_total(), fx.bytes);
+}
+
+template <class T>
+void batched_queries_step(benchmark::State& state, scenario sc) {
+  queries_fixture<T> fx(sc);
+  batched_policy<h2o_policy, device::host> layer(shape_of(sc), h2o_setup::config(sc.slots - 1));
+  std::uint64_t status = batch_status_clear;
+  batched_append_tokens(layer.state(), active_set::all(), sc.slots, &status);
+  throw_if_error(status, "fill");
+  layer.observe_evict(fx.batch(), fx.cache.view());
+  layer.check();
+  for (auto _ : state) {
+    layer.append();
+    layer.observe_evict(fx.batch(), fx.cache.view());
+    benchmark::DoNotOptimize(layer.status_word());
+  }
+  layer.check();
+  kvbench::report(state, sc.heads_total(), fx.bytes);
+}
+
+// ---- baselines ----
+
+// The order of order.hpp as one integer: lower score first, then older
+// position; protected slots get the largest key so they never win.
+inline std::uint64_t packed_key(float score, std::int32_t position) {
+  std::uint32_t bits;
+  std::memcpy(&bits, &score, sizeof bits);
+  const std::uint32_t ordered = (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+  return (std::uint64_t{ordered} << 32) | static_cast<std::uint32_t>(position);
+}
+
+// The practical limit of a decode step: per (b, h), one pass that adds the
+// group-reduced increments and tracks the minimum key outside the recent
+// window, then the victim's slot takes the next token (its score reset,
+// its position the newest). No checks, no status: what the hardware does
+// with the same bytes.
+void fused_loop(benchmark::State& state, scenario sc, input_kind kind, distribution d) {
+  const step_inputs in = make_inputs(sc, kind, d);
+  const std::size_t n = std::size_t(sc.slots);
+  std::vector<float> score(std::size_t(sc.slots_total()), 0.0f);
+  std::vector<std::int32_t> position(score.size());
+  std::vector<std::int32_t> length(std::size_t(sc.seqs), sc.slots);
+  for (std::size_t i = 0; i < position.size(); ++i) position[i] = std::int32_t(i % n);
+  const std::int32_t group = kind == input_kind::head_scores ? 1 : sc.group;
+  for (auto _ : state) {
+    for (std::int32_t b = 0; b < sc.seqs; ++b) {
+      const std::int32_t oldest_protected = length[std::size_t(b)] - kvbench::kRecent;
+      for (std::int32_t h = 0; h < sc.kv_heads; ++h) {
+        float* s = &score[(std::size_t(b) * sc.kv_heads + h) * n];
+        std::int32_t* pos = &position[(std::size_t(b) * sc.kv_heads + h) * n];
+        const float* inc = &in.values[(std::size_t(b) * in.rows_per_seq + std::size_t(h) * group) * n];
+        std::uint64_t best = ~std::uint64_t{0};
+        std::size_t slot = 0;
+        for (std::size_t j = 0; j < n; ++j) {
+          float x = inc[j];
+          for (std::int32_t g = 1; g < group; ++g) x += inc[std::size_t(g) * n + j];
+          const float updated = s[j] + x;
+          s[j] = updated;
+          const std::uint64_t key = pos[j] < oldest_protected ? packed_key(updated, pos[j]) : ~std::uint64_t{0};
+          if (key < best) {
+            best = key;
+            slot = j;
+          }
+        }
+        s[slot] = 0.0f;
+        pos[slot] = length[std::size_t(b)];
+      }
+      ++length[std::size_t(b)];
+    }
+    benchmark::ClobberMemory();
+  }
+  kvbench::report(state, sc.heads_total(), in.bytes + sc.slots_total() * kStateBytesPerSlot);
+}
+
+// The memory roof: memcpy of the bytes the h2o probabilities step touches.
+void memcpy_roof(benchmark::State& state, scenario sc) {
+  const std::int64_t bytes =
+      std::int64_t(sc.seqs) * sc.q_heads() * sc.slots * std::int64_t(sizeof(float)) + sc.slots_total() * kStateBytesPerSlot;
+  std::vector<unsigned char> src(std::size_t(bytes), 1), dst(std::size_t(bytes), 0);
+  for (auto _ : state) {
+    std::memcpy(dst.data(), src.data(), src.size());
+    benchmark::ClobberMemory();
+  }
+  kvbench::report(state, sc.heads_total(), bytes);
+}
+
+// The reference "real drop" of H2O's Python code, per (sequence, head):
+// accumulate, take the top `heavy` of the older tokens plus the recent
+// window, sort the kept indices, and gather K and V of every kept token into
+// a fresh cache. Bytes: the whole bf16 cache read and written, plus
+// probabilities and scores. At S1 the whole cache would take 4 GiB (two
+// copies of K and V); every (b, h) does the same work, so it runs on the
+// first `seqs_measured` sequences, enough to exceed the last-level cache,
+// and items/s stays per (b, h) step.
+void reference_realdrop(benchmark::State& state, scenario sc, std::int32_t seqs_measured) {
+  sc.seqs = std::min(sc.seqs, seqs_measured);
+  const std::int32_t budget = sc.slots - 1, recent = kvbench::kRecent, heavy = budget - recent;
+  const std::size_t rows = std::size_t(sc.slots_total());
+  std::vector<bfloat16> k(rows * sc.head_dim), v(k.size()), k2(k.size()), v2(k.size());
+  std::vector<float> score(rows, 0.0f);
+  const step_inputs in = make_inputs(sc, input_kind::probs, distribution::powerlaw);
+  std::vector<std::int32_t> idx(std::size_t(sc.slots));
+  const std::size_t n = std::size_t(sc.slots);
+  for (auto _ : state) {
+    for (std::int32_t bh = 0; bh < sc.seqs * sc.kv_heads; ++bh) {
+      float* s = &score[std::size_t(bh) * n];
+      const float* p = &in.values[std::size_t(bh) * sc.group * n];
+      for (std::size_t j = 0; j < n; ++j)
+        for (std::int32_t g = 0; g < sc.group; ++g) s[j] += p[std::size_t(g) * n + j];
+      std::iota(idx.begin(), idx.end(), 0);
+      const std::int32_t older = sc.slots - recent;
+      std::nth_element(idx.begin(), idx.begin() + heavy, idx.begin() + older,
+                       [s](std::int32_t a, std::int32_t c) { return s[a] > s[c]; });
+      std::sort(idx.begin(), idx.begin() + heavy);
+      std::copy(idx.begin() + older, idx.end(), idx.begin() + heavy);
+      const std::size_t base = std::size_t(bh) * n * sc.head_dim;
+      for (std::int32_t j = 0; j < budget; ++j) {
+        const std::size_t from = base + std::size_t(idx[std::size_t(j)]) * sc.head_dim;
+        const std::size_t to = base + std::size_t(j) * sc.head_dim;
+        std::copy_n(&k[from], sc.head_dim, &k2[to]);
+        std::copy_n(&v[from], sc.head_dim, &v2[to]);
+      }
+    }
+    std::swap(k, k2);
+    std::swap(v, v2);
+    benchmark::ClobberMemory();
+  }
+  kvbench::report(state, sc.heads_total(),
+                  in.bytes + sc.slots_total() * (2 * 2 * std::int64_t(sc.head_dim) * 2 + 2 * std::int64_t(sizeof(float))));
+}
+
+// ---- registration ----
+
+std::string name(const char* method, const std::string& input, const scenario& sc, distribution d,
+                 const char* dtype) {
+  return kvbench::bench_name("decode", method, input, sc.name, "evict1", kvbench::name_of(d), dtype);
+}
+
+benchmark::TimeUnit unit_of(const scenario& sc) {
+  return sc.slots_total() > 1'000'000 ? benchmark::kMillisecond : benchmark::kMicrosecond;
+}
+
+template <class Setup>
+void register_policy(const scenario& sc, input_kind kind, distribution d) {
+  const std::string method = Setup::name;
+  benchmark::RegisterBenchmark(name(method.c_str(), name_of(kind), sc, d, "f32").c_str(),
+                               per_sequence_step<Setup>, sc, kind, d)
+      ->Unit(unit_of(sc));
+  benchmark::RegisterBenchmark(name((method + "_batched").c_str(), name_of(kind), sc, d, "f32").c_str(),
+                               batched_step<Setup>, sc, kind, d)
+      ->Unit(unit_of(sc));
+}
+
+template <class T>
+void register_queries(const scenario& sc) {
+  const std::string dtype = kvbench::dtype_name<T>();
+  benchmark::RegisterBenchmark(name("h2o", "queries", sc, distribution::uniform, dtype.c_str()).c_str(),
+                               per_sequence_queries_step<h2o_policy, h2o_config, T>, sc,
+                               h2o_setup::config(sc.slots - 1))
+      ->Unit(unit_of(sc));
+  benchmark::RegisterBenchmark(name("h2o_batched", "queries", sc, distribution::uniform, dtype.c_str()).c_str(),
+                               batched_queries_step<T>, sc)
+      ->Unit(unit_of(sc));
+}
+
+const int registered = [] {
+  for (const scenario& sc : kvbench::selected_scenarios()) {
+    for (distribution d : kvbench::kDistributions) {
+      register_policy<h2o_setup>(sc, input_kind::probs, d);
+      benchmark::RegisterBenchmark(name("fused_loop", "probs", sc, d, "f32").c_str(), fused_loop, sc,
+                                   input_kind::probs, d)
+          ->Unit(unit_of(sc));
+    }
+    const distribution pl = distribution::powerlaw;
+    register_policy<h2o_setup>(sc, input_kind::head_scores, pl);
+    register_policy<h2o_setup>(sc, input_kind::logits, pl);
+    register_policy<recent_window_setup>(sc, input_kind::probs, pl);
+    register_policy<random_setup>(sc, input_kind::probs, pl);
+    benchmark::RegisterBenchmark(name("fused_loop", "head_scores", sc, pl, "f32").c_str(), fused_loop, sc,
+                                 input_kind::head_scores, pl)
+        ->Unit(unit_of(sc));
+    benchmark::RegisterBenchmark(name("memcpy", "probs", sc, pl, "f32").c_str(), memcpy_roof, sc)->Unit(unit_of(sc));
+    benchmark::RegisterBenchmark(name("reference_realdrop", "probs", sc, pl, "bf16").c_str(), reference_realdrop, sc,
+                                 8)
+        ->Unit(unit_of(sc));
+    // The queries path reads every cached key: at S5 by default (K and V of
+    // the larger scenarios take 0.3-2 GiB per dtype), the rest when asked.
+    if (sc.slots_total() <= 1'000'000 || kvbench::large_runs_enabled()) {
+      register_queries<float>(sc);
+      register_queries<half>(sc);
+      register_queries<bfloat16>(sc);
+    }
+    // exact_greedy evaluates every candidate's effect on the attention
+    // output (O(N^2 head_dim) a step): at the latency scenario only.
+    if (std::string(sc.name) == "S5") {
+      const exact_greedy_config config{sc.slots - 1, kvbench::kRecent, kvbench::kSinks};
+      benchmark::RegisterBenchmark(name("exact_greedy", "queries", sc, distribution::uniform, "bf16").c_str(),
+                                   per_sequence_queries_step<exact_greedy_policy, exact_greedy_config, bfloat16>, sc,
+                                   config)
+          ->Unit(benchmark::kMillisecond);
+    }
+  }
+  return 0;
+}();
+
+}  // namespace
+
+BENCHMARK_MAIN();
