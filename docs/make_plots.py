@@ -1,6 +1,7 @@
-"""Redraws the figures in docs/img from the figures recorded in
-docs/benchmarks.md and README.md, and from the fidelity run in
-docs/data/fidelity.json (python3 docs/make_plots.py; needs matplotlib)."""
+"""Redraws the figures in docs/img from the figures recorded in README.md and
+from the fidelity run in docs/data/fidelity.json (python3 docs/make_plots.py;
+needs matplotlib). The benchmark figures of docs/benchmarks.md are drawn by
+scripts/bench_report.py --write from the benchmark JSON."""
 import json
 import os
 
@@ -18,42 +19,6 @@ def save(fig, name):
     fig.savefig(os.path.join(here, "img", name), dpi=120, bbox_inches="tight")
     plt.close(fig)
 
-
-# Host decode step (docs/benchmarks.md), from scripts/bench_report.py's
-# summary: median over runs of each run's median, (sequence, head) steps per
-# second, log scale so every bar shows; the ratio is the median of the
-# per-run ratios to the reference.
-with open(os.path.join(here, "data", "host_decode.json")) as f:
-    bench = json.load(f)
-rows = [("BM_reference_realdrop_step", "reference real drop (top-k + sort + gather)", "tab:orange"),
-        ("BM_kvevict_h2o_step", "kvevict h2o, per-sequence API (no K/V moved)", "tab:blue"),
-        ("BM_kvevict_batched_h2o_step", "kvevict h2o, batched host API", "tab:cyan")]
-scenarios = bench["scenarios"]
-fig, ax = plt.subplots(figsize=(7, 3.8))
-width = 0.27
-top = 0
-for j, (key, label, color) in enumerate(rows):
-    xs, values = [], []
-    for i, sc in enumerate(scenarios):
-        v = sc["reference"] if key == "BM_reference_realdrop_step" else sc[key]["items_per_second"]["median"]
-        xs.append(i + (j - 1) * width)
-        values.append(v)
-        top = max(top, v)
-        if key != "BM_reference_realdrop_step":
-            ax.annotate(f"{sc[key]['ratio']['median']:.1f}x", (xs[-1], v * 2.2), ha="center", fontsize=8,
-                        weight="bold")
-    bars = ax.bar(xs, values, width, label=label, color=color)
-    ax.bar_label(bars, labels=[f"{v / 1e3:.0f}k" for v in values], fontsize=7, padding=1)
-ax.set_yscale("log")
-ax.set_ylim(min(sc["reference"] for sc in scenarios) / 3, top * 8)
-ax.yaxis.set_major_formatter(plain)
-ax.set_xticks(range(len(scenarios)), [f"{sc['label']}: {sc['shape']}" for sc in scenarios])
-ax.set_xlabel("scenario: sequences x KV heads x cached tokens")
-ax.set_ylabel("(sequence, head) steps / s (log scale)")
-ax.set_title(f"Host decode step, h2o, bf16 cache, head_dim 128 ({bench['date']}, median of {bench['runs']} runs)",
-             fontsize=9)
-ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=1, frameon=False)
-save(fig, "host_decode.png")
 
 # Demo defaults (README.md): attention kept and mean relative error at 20%,
 # with the full cache as the reference.

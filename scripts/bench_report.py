@@ -1,76 +1,313 @@
 #!/usr/bin/env python3
-"""Summarises several runs of kvevict_bench_host (Google Benchmark JSON files,
-one per run, each with --benchmark_repetitions and aggregates) into what
-docs/benchmarks.md quotes: per benchmark the median over runs of each run's
-median items/s with the spread across runs, and per scenario the ratio of each
-kvevict row to the reference computed within each run (same binary, same
-moment), so machine load cancels as far as it can.
+"""Turns Google Benchmark JSON from the kvevict_bench_* binaries (several
+runs of each, one file per run, with --benchmark_repetitions and
+aggregates) into the tables and plots of docs/benchmarks.md.
 
-  python3 scripts/bench_report.py build-bench/bench-host-run*.json [--json docs/data/host_decode.json]
+  python3 scripts/bench_report.py build-bench/bench-*-run*.json            # print the tables
+  python3 scripts/bench_report.py --write --date 2026-11-23 \\
+      --machine "..." --command "..." build-bench/bench-*-run*.json        # update docs/
 
-Prints a Markdown table; --json also writes the summary docs/make_plots.py reads.
+Benchmark names are family/method/input/scenario/keep/distribution/dtype
+(benchmarks/bench_common.hpp). Files of the same binary are the runs of a
+family, in the order given. For every row: the median over runs of each
+run's median items/s (and bytes/s), with the lowest and highest run; each
+ratio to a baseline is computed within one run (same binary, same minute,
+so machine load cancels as far as it can) and then summarised the same way.
+
+--write replaces the part of docs/benchmarks.md between the markers
+<!-- BEGIN bench_report --> and <!-- END bench_report -->, and writes
+docs/data/host_bench.json and the PNG plots in docs/img (needs matplotlib).
 """
 import argparse
+import collections
 import json
+import os
+import re
 import statistics
 import sys
 
-KVEVICT_ROWS = {"BM_kvevict_h2o_step": "per-sequence h2o", "BM_kvevict_batched_h2o_step": "batched h2o"}
-REFERENCE = "BM_reference_realdrop_step"
-SHAPES = {"S5": "1 x 8 x 1024", "S0": "24 x 32 x 820"}
+HERE = os.path.dirname(os.path.abspath(__file__))
+DOCS = os.path.join(HERE, "..", "docs")
+BEGIN, END = "<!-- BEGIN bench_report -->", "<!-- END bench_report -->"
+
+# Targets of DESIGN.md section 11 / issue 9, as (row pattern, baseline of
+# the same run, minimum ratio, wording).
+TARGETS = [
+    (r"^decode/h2o(_batched)?/probs/S1/evict1/powerlaw/f32$", "decode/fused_loop/probs/S1/evict1/powerlaw/f32", 0.70,
+     ">= 70% of the fused loop"),
+    (r"^decode/h2o(_batched)?/probs/S1/evict1/powerlaw/f32$", "decode/reference_realdrop/probs/S1/evict1/powerlaw/bf16",
+     50.0, ">= 50x the reference real drop"),
+    (r"^select/kvevict/bottom/N\d+/keep\d+/\w+/f32$", "select/nth_element/bottom/{scenario}/{keep}/{dist}/f32", 2.0,
+     ">= 2x std::nth_element"),
+]
 
 
-def medians_of(path):
-    """{(benchmark, scenario): median items/s} of one run."""
-    with open(path) as f:
-        run = json.load(f)
-    out = {}
-    for b in run["benchmarks"]:
-        if b.get("aggregate_name") != "median":
-            continue
-        name, scenario = b["run_name"].split("/")
-        out[(name, scenario)] = b["items_per_second"]
-    return run["context"], out
+class Row:
+    """One benchmark name: its fields and its per-run medians."""
+
+    def __init__(self, name):
+        self.name = name
+        parts = name.split("/")
+        if len(parts) != 7:
+            raise ValueError(f"{name}: expected family/method/input/scenario/keep/distribution/dtype")
+        self.family, self.method, self.input, self.scenario, self.keep, self.dist, self.dtype = parts
+        self.items = {}  # run index -> items/s
+        self.bytes = {}  # run index -> bytes/s
+
+
+def load(paths):
+    """{family: {name: Row}}, {family: number of runs}, the first context."""
+    by_binary = collections.OrderedDict()
+    for p in paths:
+        with open(p) as f:
+            run = json.load(f)
+        by_binary.setdefault(os.path.basename(run["context"]["executable"]), []).append(run)
+    rows, runs, context = {}, {}, None
+    for binary, files in by_binary.items():
+        for i, run in enumerate(files):
+            context = context or run["context"]
+            has_aggregates = any(b.get("aggregate_name") for b in run["benchmarks"])
+            for b in run["benchmarks"]:
+                if has_aggregates and b.get("aggregate_name") != "median":
+                    continue
+                name = b["run_name"]
+                row = rows.setdefault(name, Row(name))
+                row.items[i] = b.get("items_per_second", 0.0)
+                row.bytes[i] = b.get("bytes_per_second", 0.0)
+                runs[row.family] = max(runs.get(row.family, 0), i + 1)
+    return rows, runs, context
 
 
 def spread(values):
+    values = list(values)
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": len(values)}
+
+
+def ratio(row, base, field="items"):
+    """Median [min, max] over the runs both rows have of row / base, or None."""
+    if base is None:
+        return None
+    a, b = getattr(row, field), getattr(base, field)
+    common = [i for i in a if i in b and b[i] > 0]
+    return spread(a[i] / b[i] for i in common) if common else None
+
+
+def si(x, unit=""):
+    for div, suffix in ((1e9, " G"), (1e6, " M"), (1e3, " k")):
+        if abs(x) >= div:
+            return f"{x / div:.3g}{suffix}{unit}"
+    return f"{x:.3g} {unit}".rstrip()
+
+
+def fmt_speed(s, unit=""):
+    if s["runs"] == 1:
+        return si(s["median"], unit)
+    return f"{si(s['median'], unit)} [{si(s['min'])} - {si(s['max'])}]"
+
+
+def fmt_ratio(r):
+    if r is None:
+        return "-"
+    if r["runs"] == 1:
+        return f"{r['median']:.3g}x"
+    return f"{r['median']:.3g}x [{r['min']:.3g} - {r['max']:.3g}]"
+
+
+def baseline_name(row, method, input_=None, dist=None, dtype="f32"):
+    return "/".join([row.family, method, input_ or row.input, row.scenario, row.keep, dist or row.dist, dtype])
+
+
+def target_checks(rows):
+    checks = []
+    for pattern, base_template, minimum, wording in TARGETS:
+        for name, row in rows.items():
+            if not re.match(pattern, name):
+                continue
+            base = rows.get(base_template.format(scenario=row.scenario, keep=row.keep, dist=row.dist))
+            r = ratio(row, base)
+            if r is None:
+                continue
+            met = r["median"] >= minimum
+            checks.append({"row": name, "baseline": base.name, "target": wording, "minimum": minimum,
+                           "ratio": r, "met": met,
+                           "verdict": "met" if met else f"missed: {r['median'] / minimum:.0%} of the target"})
+    return checks
+
+
+def scenario_order(s):
+    m = re.match(r"([SN])(\d+)", s)
+    return (m.group(1), int(m.group(2))) if m else (s, 0)
+
+
+def decode_table(rows):
+    """Every decode row with its ratios to the fused loop, the reference and memcpy."""
+    out = ["| benchmark | steps/s | bytes/s | vs fused loop | vs reference real drop | of memcpy bytes/s |",
+           "|---|---|---|---|---|---|"]
+    decode = sorted((r for r in rows.values() if r.family == "decode"), key=lambda r: (scenario_order(r.scenario), r.name))
+    for row in decode:
+        fused_input = row.input if row.input in ("probs", "head_scores") else "probs"
+        fused = rows.get(baseline_name(row, "fused_loop", fused_input, row.dist if row.dist in
+                                       ("powerlaw", "uniform", "neartie") and fused_input == "probs" else "powerlaw"))
+        reference = rows.get(baseline_name(row, "reference_realdrop", "probs", "powerlaw", "bf16"))
+        memcpy = rows.get(baseline_name(row, "memcpy", "probs", "powerlaw"))
+        out.append(f"| `{row.name}` | {fmt_speed(spread(row.items.values()))} | "
+                   f"{fmt_speed(spread(row.bytes.values()), 'B/s')} | "
+                   f"{fmt_ratio(ratio(row, fused)) if row is not fused else '1'} | "
+                   f"{fmt_ratio(ratio(row, reference)) if row is not reference else '1'} | "
+                   f"{fmt_ratio(ratio(row, memcpy, 'bytes')) if row is not memcpy else '1'} |")
+    return out
+
+
+def select_table(rows):
+    out = ["| benchmark | keys/s | bytes/s | vs nth_element | vs partial_sort | vs sort |", "|---|---|---|---|---|---|"]
+    select = sorted((r for r in rows.values() if r.family == "select" and r.method == "kvevict"),
+                    key=lambda r: (r.input, r.keep, r.dist, scenario_order(r.scenario)))
+    for row in select:
+        cells = [fmt_ratio(ratio(row, rows.get(baseline_name(row, m)))) for m in ("nth_element", "partial_sort", "sort")]
+        out.append(f"| `{row.name}` | {fmt_speed(spread(row.items.values()))} | "
+                   f"{fmt_speed(spread(row.bytes.values()), 'B/s')} | " + " | ".join(cells) + " |")
+    nth = sorted((r for r in rows.values() if r.family == "select" and r.method != "kvevict"),
+                 key=lambda r: (r.input, r.keep, r.dist, r.method, scenario_order(r.scenario)))
+    if nth:
+        out += ["", "Baselines on their own:", "", "| benchmark | keys/s |", "|---|---|"]
+        out += [f"| `{r.name}` | {fmt_speed(spread(r.items.values()))} |" for r in nth]
+    return out
+
+
+def targets_table(checks):
+    out = ["| row | target | baseline | ratio (median [min - max] over runs) | met |", "|---|---|---|---|---|"]
+    for c in checks:
+        out.append(f"| `{c['row']}` | {c['target']} | `{c['baseline']}` | {fmt_ratio(c['ratio'])} | "
+                   f"{'**met**' if c['met'] else c['verdict']} |")
+    return out
+
+
+def report(rows, runs, context, args):
+    lines = []
+    load_avg = context.get("load_avg", [])
+    lines.append(f"Measured {args.date or context.get('date', '')[:10]} on {args.machine or 'this machine'}"
+                 f" ({context.get('num_cpus')} CPUs at {context.get('mhz_per_cpu')} MHz as Google Benchmark saw them"
+                 + (f", load average {load_avg[0]:.2f} at the start of the first run" if load_avg else "") + ").")
+    if args.command:
+        lines += ["", "Command:", "", "```sh", args.command, "```"]
+    lines += ["", "Runs per family: " + ", ".join(f"{f} {n}" for f, n in sorted(runs.items())) +
+              ". Each figure is the median over runs of each run's median of its repetitions, with the lowest "
+              "and highest run in brackets; each ratio is computed within a run, then summarised the same way.", ""]
+    checks = target_checks(rows)
+    lines += ["### Targets", ""] + (targets_table(checks) if checks else ["No target row was measured in this run."])
+    if any(r.family == "decode" for r in rows.values()):
+        lines += ["", "### Decode step (`kvevict_bench_decode`)", "",
+                  "One step = one (sequence, KV head): append + observe + evict. bytes/s counts the inputs read "
+                  "plus 12 bytes of state a slot (score read and written, position read); *of memcpy bytes/s* is "
+                  "the fraction of the memory roof.", ""] + decode_table(rows)
+        if args.write:
+            lines += ["", "![decode step as a fraction of the memcpy roof](img/host_decode_roof.png)"]
+    if any(r.family == "select" for r in rows.values()):
+        lines += ["", "### Segmented selection (`kvevict_bench_select`)", "",
+                  "keys/s: keys of a segment examined per second (N per call). Baselines build the same keys and "
+                  "return the same indices in position order.", ""] + select_table(rows)
+        if args.write:
+            lines += ["", "![selection throughput vs N](img/host_select.png)"]
+    return lines, checks
+
+
+def plot(rows, date):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    img = os.path.join(DOCS, "img")
+    # Selection: keys/s vs N per method, bottom-k and top-k at 20%, power law.
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
+    styles = {"kvevict": ("tab:blue", "o"), "nth_element": ("tab:orange", "s"), "partial_sort": ("tab:green", "^"),
+              "sort": ("tab:red", "v")}
+    for ax, end in zip(axes, ("bottom", "top")):
+        for keep, ls in (("keep20", "-"), ("keep50", "--")):
+            for method, (color, marker) in styles.items():
+                pts = sorted((scenario_order(r.scenario)[1], statistics.median(r.items.values()))
+                             for r in rows.values() if r.family == "select" and r.method == method and r.input == end
+                             and r.keep == keep and r.dist == "powerlaw")
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] / 1e6 for p in pts], ls=ls, color=color, marker=marker,
+                            label=f"{method}, {keep[4:]}%")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("segment length N (keys)")
+        ax.set_title(f"{end}-k, power-law scores, positions shuffled", fontsize=9)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("million keys / s (one segment per call)")
+    axes[1].legend(fontsize=7, ncol=2)
+    fig.suptitle(f"Host segmented selection vs the standard library ({date}, median over runs)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(os.path.join(img, "host_select.png"), dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+    # Decode: fraction of the memcpy roof (bytes/s over memcpy's bytes/s of
+    # the same bytes), power law, probabilities, per scenario.
+    methods = [("h2o", "kvevict h2o, per-sequence API", "tab:blue"),
+               ("h2o_batched", "kvevict h2o, batched host API", "tab:cyan"),
+               ("fused_loop", "minimal fused loop (practical limit)", "tab:gray"),
+               ("reference_realdrop", "reference real drop (top-k + sort + gather)", "tab:orange")]
+    scenarios = sorted({r.scenario for r in rows.values() if r.family == "decode" and r.method == "memcpy"},
+                       key=scenario_order)
+    if scenarios:
+        fig, ax = plt.subplots(figsize=(7.5, 3.8))
+        width = 0.8 / len(methods)
+        for j, (method, label, color) in enumerate(methods):
+            xs, ys = [], []
+            for i, s in enumerate(scenarios):
+                dtype = "bf16" if method == "reference_realdrop" else "f32"
+                row = rows.get(f"decode/{method}/probs/{s}/evict1/powerlaw/{dtype}")
+                roof = rows.get(f"decode/memcpy/probs/{s}/evict1/powerlaw/f32")
+                r = ratio(row, roof, "items") if row else None  # same steps, so items ratio = share of the roof
+                if r:
+                    xs.append(i + (j - 1.5) * width)
+                    ys.append(r["median"])
+            bars = ax.bar(xs, ys, width, label=label, color=color)
+            ax.bar_label(bars, labels=[f"{y:.0%}" if y >= 0.01 else f"{y:.1%}" for y in ys], fontsize=7, padding=1)
+        ax.axhline(1.0, color="black", lw=0.8, ls=":", label="memcpy of the same bytes (the roof)")
+        ax.set_yscale("log")
+        ax.set_xticks(range(len(scenarios)), scenarios)
+        ax.set_ylabel("steps/s as a fraction of memcpy's (log)")
+        ax.set_xlabel("scenario (DESIGN.md section 10)")
+        ax.set_title(f"Host h2o decode step from probabilities, power law ({date}, median of per-run ratios)",
+                     fontsize=9)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False)
+        fig.savefig(os.path.join(img, "host_decode_roof.png"), dpi=120, bbox_inches="tight")
+        plt.close(fig)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("runs", nargs="+")
-    ap.add_argument("--json")
+    ap.add_argument("runs", nargs="+", help="Google Benchmark JSON files")
+    ap.add_argument("--write", action="store_true", help="update docs/benchmarks.md, docs/data and docs/img")
     ap.add_argument("--date", default="")
+    ap.add_argument("--machine", default="")
+    ap.add_argument("--command", default="")
     args = ap.parse_args()
-    runs = [medians_of(p) for p in args.runs]
-    context = runs[0][0]
-    scenarios = [s for s in SHAPES if any((REFERENCE, s) in r for _, r in runs)]
-    summary = {"date": args.date or context.get("date", "")[:10], "runs": len(runs),
-               "host": f"{context.get('num_cpus')} CPUs at {context.get('mhz_per_cpu')} MHz",
-               "scenarios": []}
-    print(f"{len(runs)} runs; items/s = (sequence, head) steps per second; median [min - max] over runs\n")
-    print("| scenario | B x heads x slots | row | items/s | ratio to the reference |")
-    print("|---|---|---|---|---|")
-    for s in scenarios:
-        ref = spread([r[(REFERENCE, s)] for _, r in runs])
-        entry = {"label": s, "shape": SHAPES[s], "reference": ref["median"], "reference_spread": ref}
-        print(f"| {s} | {SHAPES[s]} | reference real drop | {ref['median'] / 1e3:.1f} k "
-              f"[{ref['min'] / 1e3:.1f} - {ref['max'] / 1e3:.1f}] | 1 |")
-        for name, label in KVEVICT_ROWS.items():
-            if not all((name, s) in r for _, r in runs):
-                continue
-            speed = spread([r[(name, s)] for _, r in runs])
-            ratio = spread([r[(name, s)] / r[(REFERENCE, s)] for _, r in runs])
-            entry[name] = {"items_per_second": speed, "ratio": ratio}
-            print(f"| {s} | {SHAPES[s]} | kvevict {label} | {speed['median'] / 1e3:.1f} k "
-                  f"[{speed['min'] / 1e3:.1f} - {speed['max'] / 1e3:.1f}] | {ratio['median']:.1f}x "
-                  f"[{ratio['min']:.1f} - {ratio['max']:.1f}] |")
-        summary["scenarios"].append(entry)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(summary, f, indent=1)
-            f.write("\n")
+    rows, runs, context = load(args.runs)
+    date = args.date or context.get("date", "")[:10]
+    lines, checks = report(rows, runs, context, args)
+    print("\n".join(lines))
+    if not args.write:
+        return 0
+    path = os.path.join(DOCS, "benchmarks.md")
+    with open(path) as f:
+        page = f.read()
+    if BEGIN not in page or END not in page:
+        sys.exit(f"{path}: markers {BEGIN} / {END} not found")
+    head, rest = page.split(BEGIN, 1)
+    tail = rest.split(END, 1)[1]
+    with open(path, "w") as f:
+        f.write(head + BEGIN + "\n" + "\n".join(lines) + "\n" + END + tail)
+    summary = {"date": date, "machine": args.machine, "command": args.command, "runs": runs,
+               "targets": checks,
+               "rows": {n: {"items_per_second": spread(r.items.values()), "bytes_per_second": spread(r.bytes.values())}
+                        for n, r in sorted(rows.items())}}
+    with open(os.path.join(DOCS, "data", "host_bench.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+        f.write("\n")
+    plot(rows, date)
     return 0
 
 

@@ -1,12 +1,18 @@
 #!/usr/bin/env bash
-# Builds the Google Benchmark binaries in Release (installs the compiler,
-# CMake and Google Benchmark if missing) and runs each one RUNS times
-# (default 3): every benchmark runs its baseline in the same binary, medians
-# of 5 repetitions per run. Extra arguments go to the benchmark binaries
-# (e.g. --benchmark_filter=S0). JSON results land in
-# $BUILD_DIR/bench-<name>-run<i>.json (BUILD_DIR default build-bench), and
-# scripts/bench_report.py prints the summary docs/benchmarks.md quotes: the
-# median over runs, the spread across runs, and the per-run ratios.
+# Builds the Google Benchmark binaries (one per family: kvevict_bench_decode,
+# kvevict_bench_select, ...) in Release, installing the compiler, CMake and
+# Google Benchmark if missing, runs each one RUNS times (default 3), and
+# turns the JSON into docs/benchmarks.md's tables and plots with
+# scripts/bench_report.py. Every benchmark runs its baseline in the same
+# binary; each run reports the median of REPS repetitions (default 5) of at
+# least MIN_TIME seconds each (default 0.3).
+#
+# Extra arguments go to every binary, e.g. --benchmark_filter='/S1/'.
+# A full default run takes tens of minutes on 2 cores: filter while working.
+# KVEVICT_BENCH_LARGE=1 also registers the scenarios S2-S4 (hundreds of MiB
+# of inputs per benchmark). JSON results land in
+# $BUILD_DIR/bench-<family>-run<i>.json (BUILD_DIR default build-bench).
+# REPORT_ARGS go to bench_report.py (e.g. --write to update docs/).
 #
 # Google Benchmark from Debian prints "Library was built as DEBUG. Timings may
 # be affected": that is Debian's build of the library itself (its own
@@ -15,21 +21,23 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install-deps.sh tests
 build=${BUILD_DIR:-build-bench}
+runs=${RUNS:-3}
+reps=${REPS:-5}
+min_time=${MIN_TIME:-0.3}
 cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DKVEVICT_BUILD_TESTS=OFF -DKVEVICT_BUILD_EXAMPLES=OFF \
   -DKVEVICT_BUILD_BENCHMARKS=ON >/dev/null
-cmake --build "$build" -j"$(nproc)" --target kvevict_bench_host
-runs=${RUNS:-3}
-for bench in "$build"/benchmarks/kvevict_bench_*; do
-  [ -x "$bench" ] || continue
-  name=$(basename "$bench")
-  outs=()
+families=(decode select)
+cmake --build "$build" -j"${JOBS:-$(nproc)}" --target "${families[@]/#/kvevict_bench_}"
+outs=()
+for family in "${families[@]}"; do
   for i in $(seq 1 "$runs"); do
-    out="$build/bench-${name#kvevict_bench_}-run$i.json"
-    "$bench" --benchmark_min_time=0.3 --benchmark_repetitions=5 --benchmark_report_aggregates_only=true \
-      --benchmark_out="$out" --benchmark_out_format=json "$@"
+    out="$build/bench-$family-run$i.json"
+    "$build/benchmarks/kvevict_bench_$family" --benchmark_min_time="$min_time" --benchmark_repetitions="$reps" \
+      --benchmark_report_aggregates_only=true --benchmark_out="$out" --benchmark_out_format=json "$@"
     outs+=("$out")
   done
-  if [ "$name" = kvevict_bench_host ] && command -v python3 >/dev/null; then
-    python3 scripts/bench_report.py "${outs[@]}"
-  fi
 done
+if command -v python3 >/dev/null; then
+  # shellcheck disable=SC2086  # REPORT_ARGS is a list of words
+  python3 scripts/bench_report.py ${REPORT_ARGS:-} "${outs[@]}"
+fi
