@@ -62,6 +62,17 @@ inline std::vector<scenario> selected_scenarios() {
   return out;
 }
 
+/// Benchmarks that need a K/V cache keep it under 256 MiB (S1's whole bf16
+/// cache is 1 GiB, two of them 2 GiB): they run on the first sequences of
+/// the scenario only. Every (b, h) does the same work, and items/s stays per
+/// (b, h) or per token, so the figures compare with the full batch's.
+inline scenario cache_slice(scenario sc, std::size_t element_bytes) {
+  const std::size_t per_seq = std::size_t(2) * sc.kv_heads * sc.slots * sc.head_dim * element_bytes;
+  const std::size_t limit = std::size_t(256) << 20;
+  sc.seqs = std::max<std::int32_t>(1, std::min<std::int32_t>(sc.seqs, std::int32_t(limit / per_seq)));
+  return sc;
+}
+
 /// Shapes of a decode step (DESIGN.md section 10): every slot occupied,
 /// recent window 64, 4 sinks for the policies that have sinks.
 constexpr std::int32_t kRecent = 64;

@@ -1,0 +1,159 @@
+// Prefill compression with h2o: score a prompt of N tokens, keep budget =
+// 20% or 50% of N per KV head (recent window 64) and compact the kept rows
+// in position order into slots [0, budget) of the cache, per sequence
+// (policy.prefill) and for the whole batch (batched_prefill), from column
+// sums the engine computed or from the causal probability matrix.
+//
+// Baseline: reference_keep_gather, the reference's prompt-time keep written
+// plainly: fold the group's column sums, nth_element for the heavy of the
+// older positions on (score, position) keys, sort the kept positions, and
+// gather their K and V rows into a fresh buffer.
+//
+// One item = one (sequence, KV head, prompt token) scored. Bytes = the input
+// read plus the kept K and V rows read and written once (an upper bound of
+// what compaction moves: rows already in place stay).
+#include "bench_common.hpp"
+
+#include <numeric>
+
+namespace {
+
+using namespace kvevict;
+using kvbench::scenario;
+
+struct prompt {
+  scenario sc;
+  std::int32_t budget;
+  std::vector<float> sums;  // [B][Hq][N]: column sums of the prompt's probabilities
+
+  prompt(const scenario& s, const kvbench::keep_fraction& keep)
+      : sc(s), budget(keep.of(s.slots)),
+        sums(kvbench::probabilities(std::size_t(s.seqs) * s.q_heads() * s.slots, 1, kvbench::distribution::powerlaw, 2)) {}
+  h2o_config config() const { return {budget - kvbench::kRecent, kvbench::kRecent}; }
+  policy_shape shape() const { return {sc.seqs, sc.kv_heads, sc.q_heads(), sc.slots}; }
+  template <class T>
+  std::int64_t moved_bytes() const {
+    return sc.heads_total() * budget * 2 * 2 * std::int64_t(sc.head_dim) * std::int64_t(sizeof(T));
+  }
+  std::int64_t items() const { return sc.slots_total(); }
+};
+
+template <class T>
+void per_sequence_sums(benchmark::State& state, scenario sc, kvbench::keep_fraction keep) {
+  const prompt pr(kvbench::cache_slice(sc, sizeof(T)), keep);
+  h2o_policy policy(pr.shape(), pr.config());
+  auto cache = make_bhsd_cache<T>(pr.sc.seqs, sc.kv_heads, sc.slots, sc.head_dim);
+  for (auto _ : state)
+    for (std::int32_t b = 0; b < pr.sc.seqs; ++b) {
+      policy.reset(b);
+      const auto sums = make_tensor_view<const float>(pr.sums.data() + std::size_t(b) * sc.q_heads() * sc.slots,
+                                                      sc.q_heads(), sc.slots);
+      benchmark::DoNotOptimize(policy.prefill(b, sc.slots, prefill_column_sums{sums}, cache.view()));
+    }
+  kvbench::report(state, pr.items(), std::int64_t(pr.sums.size() * sizeof(float)) + pr.moved_bytes<T>());
+}
+
+template <class T>
+void batched_sums(benchmark::State& state, scenario sc, kvbench::keep_fraction keep) {
+  const prompt pr(kvbench::cache_slice(sc, sizeof(T)), keep);
+  batched_policy<h2o_policy, device::host> layer(pr.shape(), pr.config());
+  auto cache = make_bhsd_cache<T>(pr.sc.seqs, sc.kv_heads, sc.slots, sc.head_dim);
+  const std::vector<std::int32_t> lengths(std::size_t(pr.sc.seqs), sc.slots);
+  const batch_prefill_sums in{make_tensor_view<const float>(pr.sums.data(), pr.sc.seqs, sc.q_heads(), sc.slots)};
+  std::uint64_t status = batch_status_clear;
+  for (auto _ : state) {
+    layer.reset(active_set::all());
+    batched_prefill(layer.state(), active_set::all(), prompt_lengths{lengths.data(), sc.slots}, in, cache.view(),
+                    nullptr, &status);
+  }
+  throw_if_error(status, "batched_prefill");
+  kvbench::report(state, pr.items(), std::int64_t(pr.sums.size() * sizeof(float)) + pr.moved_bytes<T>());
+}
+
+// From the causal matrix [Hq][N][N] (the lower triangle is read): at S5
+// only, where one sequence's matrix is 128 MiB.
+void per_sequence_probs(benchmark::State& state, scenario sc, kvbench::keep_fraction keep) {
+  const prompt pr(sc, keep);
+  h2o_policy policy(pr.shape(), pr.config());
+  auto cache = make_bhsd_cache<bfloat16>(sc.seqs, sc.kv_heads, sc.slots, sc.head_dim);
+  const std::size_t n = std::size_t(sc.slots);
+  const std::vector<float> probs =
+      kvbench::probabilities(std::size_t(sc.q_heads()) * n * n, sc.slots, kvbench::distribution::powerlaw, 4);
+  const auto view = make_tensor_view<const float>(probs.data(), sc.q_heads(), sc.slots, sc.slots);
+  for (auto _ : state)
+    for (std::int32_t b = 0; b < sc.seqs; ++b) {  // every sequence sees the same matrix
+      policy.reset(b);
+      benchmark::DoNotOptimize(policy.prefill(b, sc.slots, prefill_probs{view}, cache.view()));
+    }
+  const std::int64_t triangle = std::int64_t(sc.seqs) * sc.q_heads() * std::int64_t(n) * std::int64_t(n + 1) / 2;
+  kvbench::report(state, pr.items(), triangle * std::int64_t(sizeof(float)) + pr.moved_bytes<bfloat16>());
+}
+
+template <class T>
+void reference_keep_gather(benchmark::State& state, scenario sc, kvbench::keep_fraction keep) {
+  const prompt pr(kvbench::cache_slice(sc, sizeof(T)), keep);
+  const std::size_t n = std::size_t(sc.slots), d = std::size_t(sc.head_dim);
+  const std::size_t rows = std::size_t(pr.sc.heads_total()) * n;
+  const std::vector<T> k = kvbench::random_rows<T>(rows * d, 1.0f, 8), v = k;
+  std::vector<T> k2(std::size_t(pr.sc.heads_total()) * pr.budget * d), v2(k2.size());
+  std::vector<float> score(n);
+  std::vector<std::int32_t> idx(n);
+  const std::int32_t heavy = pr.budget - kvbench::kRecent, older = sc.slots - kvbench::kRecent;
+  for (auto _ : state) {
+    for (std::int64_t bh = 0; bh < pr.sc.heads_total(); ++bh) {
+      const float* sums = &pr.sums[std::size_t(bh) * sc.group * n];
+      for (std::size_t j = 0; j < n; ++j) {
+        float x = 0.0f;
+        for (std::int32_t g = 0; g < sc.group; ++g) x += sums[std::size_t(g) * n + j];
+        score[j] = x;
+      }
+      std::iota(idx.begin(), idx.end(), 0);
+      std::nth_element(idx.begin(), idx.begin() + heavy, idx.begin() + older, [&](std::int32_t a, std::int32_t c) {
+        return eviction_key(score[std::size_t(a)], a) > eviction_key(score[std::size_t(c)], c);
+      });
+      std::sort(idx.begin(), idx.begin() + heavy);
+      std::copy(idx.begin() + older, idx.end(), idx.begin() + heavy);
+      for (std::int32_t j = 0; j < pr.budget; ++j) {
+        const std::size_t from = (std::size_t(bh) * n + std::size_t(idx[std::size_t(j)])) * d;
+        const std::size_t to = (std::size_t(bh) * pr.budget + std::size_t(j)) * d;
+        std::copy_n(&k[from], d, &k2[to]);
+        std::copy_n(&v[from], d, &v2[to]);
+      }
+    }
+    benchmark::ClobberMemory();
+  }
+  kvbench::report(state, pr.items(), std::int64_t(pr.sums.size() * sizeof(float)) + pr.moved_bytes<T>());
+}
+
+template <class T>
+void register_dtype(const scenario& sc, const kvbench::keep_fraction& keep) {
+  const auto name = [&](const char* method, const char* input) {
+    return kvbench::bench_name("prefill", method, input, sc.name, keep.name, "powerlaw", kvbench::dtype_name<T>());
+  };
+  const auto unit = sc.slots_total() > 1'000'000 ? benchmark::kMillisecond : benchmark::kMicrosecond;
+  benchmark::RegisterBenchmark(name("h2o", "column_sums").c_str(), per_sequence_sums<T>, sc, keep)->Unit(unit);
+  benchmark::RegisterBenchmark(name("h2o_batched", "column_sums").c_str(), batched_sums<T>, sc, keep)->Unit(unit);
+  benchmark::RegisterBenchmark(name("reference_keep_gather", "column_sums").c_str(), reference_keep_gather<T>, sc,
+                               keep)
+      ->Unit(unit);
+}
+
+const int registered = [] {
+  for (const scenario& sc : kvbench::selected_scenarios())
+    for (const kvbench::keep_fraction& keep : kvbench::kKeeps) {
+      register_dtype<bfloat16>(sc, keep);
+      if (std::string(sc.name) == "S5") {
+        register_dtype<float>(sc, keep);
+        register_dtype<half>(sc, keep);
+        benchmark::RegisterBenchmark(
+            kvbench::bench_name("prefill", "h2o", "probs", sc.name, keep.name, "powerlaw", "bf16").c_str(),
+            per_sequence_probs, sc, keep)
+            ->Unit(benchmark::kMillisecond);
+      }
+    }
+  return 0;
+}();
+
+}  // namespace
+
+BENCHMARK_MAIN();
