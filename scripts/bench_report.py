@@ -174,6 +174,40 @@ def select_table(rows):
     return out
 
 
+# The baseline of each remaining family: (method, input or None for the
+# row's own, dtype or None for the row's own).
+FAMILY_BASELINES = {
+    "prefill": ("reference_keep_gather", None, None),
+    "evict_to": ("plain_nth_element", "moves", "none"),
+    "scatter": ("memcpy", None, None),
+    "compaction": ("memcpy", "block", None),
+}
+FAMILY_TEXT = {
+    "prefill": ("Prefill compression (`kvevict_bench_prefill`)",
+                "One item = one (sequence, KV head, prompt token) scored. Baseline: the reference's keep written "
+                "plainly (group fold, nth_element, sort, gather into a fresh buffer)."),
+    "evict_to": ("Multi-token evict_to (`kvevict_bench_evict_to`)",
+                 "One item = one token freed; the step timed is append chunk + observe + evict_to. Baseline: the "
+                 "same step with nth_element and no checks, reporting moves."),
+    "scatter": ("Scatter (`kvevict_bench_kv_moves`)",
+                "One item = one (sequence, KV head) K and V row written. Baseline: memcpy of the same rows."),
+    "compaction": ("Compaction (`kvevict_bench_kv_moves`)",
+                   "One item = one kept row pair moved. Baseline: one memcpy of the same bytes."),
+}
+
+
+def family_table(rows, family):
+    method, input_, dtype = FAMILY_BASELINES[family]
+    out = ["| benchmark | items/s | bytes/s | baseline | ratio to it |", "|---|---|---|---|---|"]
+    for row in sorted((r for r in rows.values() if r.family == family and r.method != method),
+                      key=lambda r: (scenario_order(r.scenario), r.name)):
+        base = rows.get(baseline_name(row, method, input_, None, dtype or row.dtype))
+        out.append(f"| `{row.name}` | {fmt_speed(spread(row.items.values()))} | "
+                   f"{fmt_speed(spread(row.bytes.values()), 'B/s')} | "
+                   f"{fmt_speed(spread(base.items.values())) if base else '-'} | {fmt_ratio(ratio(row, base))} |")
+    return out
+
+
 def targets_table(checks):
     out = ["| row | target | baseline | ratio (median [min - max] over runs) | met |", "|---|---|---|---|---|"]
     for c in checks:
@@ -208,6 +242,9 @@ def report(rows, runs, context, args):
                   "return the same indices in position order.", ""] + select_table(rows)
         if args.write:
             lines += ["", "![selection throughput vs N](img/host_select.png)"]
+    for family, (title, text) in FAMILY_TEXT.items():
+        if any(r.family == family for r in rows.values()):
+            lines += ["", f"### {title}", "", text, ""] + family_table(rows, family)
     return lines, checks
 
 

@@ -26,7 +26,7 @@ reps=${REPS:-5}
 min_time=${MIN_TIME:-0.3}
 cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DKVEVICT_BUILD_TESTS=OFF -DKVEVICT_BUILD_EXAMPLES=OFF \
   -DKVEVICT_BUILD_BENCHMARKS=ON >/dev/null
-families=(decode select)
+families=(decode select prefill evict_to kv_moves)
 cmake --build "$build" -j"${JOBS:-$(nproc)}" --target "${families[@]/#/kvevict_bench_}"
 outs=()
 for family in "${families[@]}"; do
