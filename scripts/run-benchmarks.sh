@@ -12,7 +12,8 @@
 # KVEVICT_BENCH_LARGE=1 also registers the scenarios S2-S4 (hundreds of MiB
 # of inputs per benchmark). JSON results land in
 # $BUILD_DIR/bench-<family>-run<i>.json (BUILD_DIR default build-bench).
-# REPORT_ARGS go to bench_report.py (e.g. --write to update docs/).
+# WRITE=1 also updates docs/benchmarks.md, docs/data/host_bench.json and the
+# plots, quoting this command, today's date and MACHINE (a description).
 #
 # Google Benchmark from Debian prints "Library was built as DEBUG. Timings may
 # be affected": that is Debian's build of the library itself (its own
@@ -38,6 +39,11 @@ for family in "${families[@]}"; do
   done
 done
 if command -v python3 >/dev/null; then
-  # shellcheck disable=SC2086  # REPORT_ARGS is a list of words
-  python3 scripts/bench_report.py ${REPORT_ARGS:-} "${outs[@]}"
+  write=()
+  if [ "${WRITE:-0}" = 1 ]; then
+    quoted=$(printf ' %q' "$@")
+    write=(--write --date "$(date +%F)" --machine "${MACHINE:-}"
+           --command "RUNS=$runs REPS=$reps MIN_TIME=$min_time scripts/run-benchmarks.sh$quoted")
+  fi
+  python3 scripts/bench_report.py "${write[@]}" "${outs[@]}"
 fi
