@@ -145,7 +145,7 @@ def decode_table(rows):
            "|---|---|---|---|---|---|"]
     decode = sorted((r for r in rows.values() if r.family == "decode"), key=lambda r: (scenario_order(r.scenario), r.name))
     for row in decode:
-        fused_input = row.input if row.input in ("probs", "head_scores") else "probs"
+        fused_input = row.input if row.input in ("probs", "probs_shared", "head_scores") else "probs"
         fused = rows.get(baseline_name(row, "fused_loop", fused_input, row.dist if row.dist in
                                        ("powerlaw", "uniform", "neartie") and fused_input == "probs" else "powerlaw"))
         reference = rows.get(baseline_name(row, "reference_realdrop", "probs", "powerlaw", "bf16"))
