@@ -130,7 +130,7 @@ def target_checks(rows):
             met = r["median"] >= minimum
             checks.append({"row": name, "baseline": base.name, "target": wording, "minimum": minimum,
                            "ratio": r, "met": met,
-                           "verdict": "met" if met else f"missed: {r['median'] / minimum:.0%} of the target"})
+                           "verdict": "met" if met else f"missed: reaches {r['median'] / minimum:.0%} of the target"})
     return checks
 
 
