@@ -277,18 +277,21 @@ TEST_CASE("decode_pass: the vectorised fold, add and victim search decide as fol
       score[std::size_t(s)] = specials[rng() % 6] * (rng() % 2 ? 1.0f : -1.0f);
       reference[std::size_t(s)] = score[std::size_t(s)] + inc.value;
     }
-    REQUIRE(detail::sums_stay_finite(score.data(), fast.data(), pos.data(), width));
-    detail::add_increments(score.data(), fast.data(), pos.data(), width);
-    CHECK(std::memcmp(score.data(), reference.data(), sizeof(float) * std::size_t(width)) == 0);
+    std::vector<float> next(static_cast<std::size_t>(width));
+    REQUIRE(detail::next_scores(score.data(), fast.data(), pos.data(), width, next.data()));
+    CHECK(std::memcmp(next.data(), reference.data(), sizeof(float) * std::size_t(width)) == 0);
     for (const victim_rule victim : {victim_rule::lowest_score, victim_rule::oldest}) {
       decode_rule rule;
       rule.victim = victim;
       rule.protect = {std::int32_t(rng() % 3), std::int32_t(rng() % 4)};
       std::vector<std::int32_t> scratch(static_cast<std::size_t>(width));
-      const std::int32_t expected = pick_victim(rule, pos.data(), score.data(), width, length, 0, 0, scratch.data());
-      CHECK(detail::find_victim(rule, score.data(), pos.data(), width, length) == expected);
+      const std::int32_t expected = pick_victim(rule, pos.data(), next.data(), width, length, 0, 0, scratch.data());
+      std::vector<float> committed = score;
+      CHECK(detail::commit_and_find_victim(rule, next.data(), committed.data(), pos.data(), width, length) == expected);
+      CHECK(committed == next);
       ++trials;
     }
+    score = next;
     ties += std::int32_t(std::count(score.begin(), score.end(), 0.0f)) > 1;
   }
   CHECK(trials == 8000);
@@ -314,6 +317,9 @@ TEST_CASE("decode_pass: a bad element anywhere in an occupied column fails the r
     }
   row.assign(width, 3e38f);  // each element valid, the sum over the two rows is not
   CHECK_FALSE(fold());
-  std::vector<float> big(width, 3e38f);
-  CHECK_FALSE(detail::sums_stay_finite(big.data(), big.data(), pos.data(), width));
+  std::vector<float> big(width, 3e38f), next(width);
+  CHECK_FALSE(detail::next_scores(big.data(), big.data(), pos.data(), width, next.data()));
+  big[6] = 0.0f;  // only the free slot: ignored
+  for (std::int32_t s = 0; s < width; ++s) row[std::size_t(s)] = s == 6 ? 3e38f : 0.0f;
+  CHECK(detail::next_scores(big.data(), row.data(), pos.data(), width, next.data()));
 }

@@ -21,7 +21,53 @@
 namespace kvevict {
 namespace detail {
 
-/// out[s] = reduce over the g rows rows[j] (unit stride) of rows[j][s], for
+/// True when v is not a probability: NaN, inf or negative.
+inline std::uint32_t not_probability(float v) noexcept {
+  return std::uint32_t(!(v >= 0.0f) | (v > std::numeric_limits<float>::max()));
+}
+
+/// fold_probability_rows for a group size known at compile time: one pass,
+/// the G rows read side by side.
+template <std::int32_t G, class RowOf>
+bool fold_rows_fixed(RowOf rows, group_reduce reduce, const std::int32_t* positions, std::int32_t width,
+                     float* out) noexcept {
+  constexpr float kMax = std::numeric_limits<float>::max();
+  const float* x[G];
+  for (std::int32_t j = 0; j < G; ++j) x[j] = rows(j);
+  std::uint32_t bad = 0;
+  if (reduce == group_reduce::max) {
+    for (std::int32_t s = 0; s < width; ++s) {
+      float acc = 0.0f;
+      std::uint32_t wrong = 0;
+      for (std::int32_t j = 0; j < G; ++j) {
+        const float v = x[j][s];
+        wrong |= not_probability(v);
+        acc = v > acc ? v : acc;
+      }
+      bad |= std::uint32_t(positions[s] >= 0) & wrong;
+      out[s] = acc;
+    }
+  } else {
+    const float n = static_cast<float>(G);
+    const bool mean = reduce == group_reduce::mean;
+    for (std::int32_t s = 0; s < width; ++s) {
+      float acc = 0.0f;
+      std::uint32_t wrong = 0;
+      for (std::int32_t j = 0; j < G; ++j) {
+        const float v = x[j][s];
+        wrong |= not_probability(v);
+        acc = add(acc, v);
+      }
+      const float r = mean ? div(acc, n) : acc;
+      // Finite elements can still sum past FLT_MAX (reduce_groups names the group).
+      bad |= std::uint32_t(positions[s] >= 0) & (wrong | std::uint32_t(r > kMax));
+      out[s] = r;
+    }
+  }
+  return bad == 0;
+}
+
+/// out[s] = reduce over the g rows rows(j) (unit stride) of rows(j)[s], for
 /// s < width, folded in ascending j exactly as fold_group folds (sum starts
 /// from 0 + x, max from 0, mean divides the sum by g). Returns false when an
 /// occupied column holds a value that is not a probability (NaN, inf,
@@ -30,20 +76,27 @@ namespace detail {
 template <class RowOf>
 bool fold_probability_rows(RowOf rows, std::int32_t g, group_reduce reduce, const std::int32_t* positions,
                            std::int32_t width, float* out) noexcept {
+  switch (g) {  // the usual GQA groups in one pass
+    case 1: return fold_rows_fixed<1>(rows, reduce, positions, width, out);
+    case 2: return fold_rows_fixed<2>(rows, reduce, positions, width, out);
+    case 4: return fold_rows_fixed<4>(rows, reduce, positions, width, out);
+    case 8: return fold_rows_fixed<8>(rows, reduce, positions, width, out);
+    default: break;
+  }
   constexpr float kMax = std::numeric_limits<float>::max();
   std::uint32_t bad = 0;
-  for (std::int32_t j = 0; j < g; ++j) {
+  for (std::int32_t j = 0; j < g; ++j) {  // any other group: row by row
     const float* x = rows(j);
     if (reduce == group_reduce::max) {
       for (std::int32_t s = 0; s < width; ++s) {
         const float v = x[s], acc = j == 0 ? 0.0f : out[s];
-        bad |= std::uint32_t(positions[s] >= 0) & std::uint32_t(!(v >= 0.0f) | (v > kMax));
+        bad |= std::uint32_t(positions[s] >= 0) & not_probability(v);
         out[s] = v > acc ? v : acc;
       }
     } else {
       for (std::int32_t s = 0; s < width; ++s) {
         const float v = x[s], acc = j == 0 ? 0.0f : out[s];
-        bad |= std::uint32_t(positions[s] >= 0) & std::uint32_t(!(v >= 0.0f) | (v > kMax));
+        bad |= std::uint32_t(positions[s] >= 0) & not_probability(v);
         out[s] = add(acc, v);
       }
     }
@@ -52,7 +105,6 @@ bool fold_probability_rows(RowOf rows, std::int32_t g, group_reduce reduce, cons
     const float n = static_cast<float>(g);
     for (std::int32_t s = 0; s < width; ++s) out[s] = div(out[s], n);
   }
-  // Finite elements can still sum past FLT_MAX (reduce_groups names the group).
   for (std::int32_t s = 0; s < width; ++s) bad |= std::uint32_t(positions[s] >= 0) & std::uint32_t(out[s] > kMax);
   return bad == 0;
 }
@@ -69,37 +121,35 @@ inline bool copy_finite_row(const float* x, const std::int32_t* positions, std::
   return bad == 0;
 }
 
-/// True when score[s] + inc[s] stays finite for every occupied s < width.
-inline bool sums_stay_finite(const float* score, const float* inc, const std::int32_t* positions,
-                             std::int32_t width) noexcept {
+/// next[s] = score[s] + inc[s] for the occupied s < width (in place: next
+/// may be inc) and score[s] for the free ones; false when an occupied sum
+/// leaves the float range. A free slot's score is +0 (evict and reset clear
+/// it) and +0 + +0 is +0, so adding 0 there instead of branching changes no
+/// bit. Every load is unconditional: a load under a condition stops the
+/// vectoriser.
+inline bool next_scores(const float* score, const float* inc, const std::int32_t* positions, std::int32_t width,
+                        float* next) noexcept {
   constexpr float kMax = std::numeric_limits<float>::max();
   std::uint32_t bad = 0;
   for (std::int32_t s = 0; s < width; ++s) {
-    const float v = score[s] + inc[s];
-    bad |= std::uint32_t(positions[s] >= 0) & std::uint32_t(!(v >= -kMax) | (v > kMax));
+    const std::uint32_t occupied = positions[s] >= 0;
+    const float x = inc[s];
+    const float v = add(score[s], occupied ? x : 0.0f);
+    bad |= occupied & std::uint32_t(!(v >= -kMax) | (v > kMax));
+    next[s] = v;
   }
   return bad == 0;
 }
 
-/// score[s] += inc[s] for the occupied s < width. A free slot's score is +0
-/// (evict and reset clear it) and +0 + +0 is +0, so adding 0 there instead
-/// of branching changes no bit. Every load is unconditional: a load under a
-/// condition stops the vectoriser.
-inline void add_increments(float* score, const float* inc, const std::int32_t* positions,
-                           std::int32_t width) noexcept {
-  for (std::int32_t s = 0; s < width; ++s) {
-    const float x = inc[s];
-    score[s] = add(score[s], positions[s] >= 0 ? x : 0.0f);
-  }
-}
-
-/// The victim among the occupied slots [0, width) by `rule` (lowest_score
+/// score[s] = next[s] for s < width (next from next_scores; may be score),
+/// and the victim among the occupied slots [0, width) by `rule` (lowest_score
 /// or oldest; not random_rank) when the newest position is length - 1: the
 /// slot pick_victim returns, or -1 when every occupied token is protected.
 /// Scores are finite here, so float order is the eviction_key order (-0 and
 /// +0 tie there too); ties go to the lowest position, which is unique.
-inline std::int32_t find_victim(const decode_rule& rule, const float* score, const std::int32_t* positions,
-                                std::int32_t width, std::int32_t length) noexcept {
+inline std::int32_t commit_and_find_victim(const decode_rule& rule, const float* next, float* score,
+                                           const std::int32_t* positions, std::int32_t width,
+                                           std::int32_t length) noexcept {
   constexpr float kInf = std::numeric_limits<float>::infinity();
   constexpr std::int32_t kNone = std::numeric_limits<std::int32_t>::max();
   // Unprotected and occupied: sinks <= p < length - recent (p = -1 fails the first when sinks = 0 too).
@@ -118,7 +168,9 @@ inline std::int32_t find_victim(const decode_rule& rule, const float* score, con
   for (; s < full; s += 4) {
     const __m128i p = _mm_loadu_si128(reinterpret_cast<const __m128i*>(positions + s));
     const __m128 candidate = _mm_castsi128_ps(_mm_and_si128(_mm_cmpgt_epi32(p, lo4), _mm_cmplt_epi32(p, hi4)));
-    const __m128 key = _mm_and_ps(_mm_loadu_ps(score + s), score_mask);  // oldest: every key 0
+    const __m128 v = _mm_loadu_ps(next + s);
+    _mm_storeu_ps(score + s, v);
+    const __m128 key = _mm_and_ps(v, score_mask);  // oldest: every key 0
     low4 = _mm_min_ps(low4, _mm_or_ps(_mm_and_ps(candidate, key), _mm_andnot_ps(candidate, _mm_set1_ps(kInf))));
   }
   alignas(16) float lanes[4];
@@ -127,6 +179,7 @@ inline std::int32_t find_victim(const decode_rule& rule, const float* score, con
 #endif
   for (std::int32_t t = s; t < width; ++t) {
     const std::int32_t p = positions[t];
+    score[t] = next[t];
     const float key = by_score ? score[t] : 0.0f;
     if (p >= lo && p < hi && key < lowest) lowest = key;
   }
@@ -156,6 +209,12 @@ inline std::int32_t find_victim(const decode_rule& rule, const float* score, con
     }
   }
   return victim;
+}
+
+/// The victim by `rule` over scores already committed.
+inline std::int32_t find_victim(const decode_rule& rule, float* score, const std::int32_t* positions,
+                                std::int32_t width, std::int32_t length) noexcept {
+  return commit_and_find_victim(rule, score, score, positions, width, length);
 }
 
 }  // namespace detail

@@ -413,6 +413,7 @@ class policy_base {
     slots_ = slot_table(shape.num_seqs, shape.num_kv_heads, shape.capacity);
     scores_.assign(std::size_t(shape.num_seqs) * shape.num_kv_heads * shape.capacity, 0.0f);
     scratch_.assign(std::size_t(shape.num_kv_heads) * shape.capacity, 0.0f);
+    next_.assign(std::size_t(shape.num_kv_heads) * shape.capacity, 0.0f);
     keep_.assign(std::size_t(shape.num_kv_heads) * shape.capacity, 0);
     order_.assign(std::size_t(shape.capacity), 0);
     victims_.assign(std::size_t(shape.num_kv_heads), -1);
@@ -627,11 +628,13 @@ class policy_base {
   /// non-finite value, and finds each head's victim in the same pass, so
   /// evict only reads it. Ends the step's observation.
   void commit_increments(const detail::site& w, std::int32_t b, std::int32_t width) {
+    // The new scores go to next_, the overflow check a reduction in the same
+    // pass; nothing is committed until every head has passed it.
     for (std::int32_t h = 0; h < shape_.num_kv_heads; ++h) {
       const std::int32_t* pos = slots_.positions_of(b, h);
       const float* inc = scratch_.data() + std::size_t(h) * shape_.capacity;
       const float* score = scores_of(b, h);
-      if (detail::sums_stay_finite(score, inc, pos, width)) continue;
+      if (detail::next_scores(score, inc, pos, width, next_.data() + std::size_t(h) * shape_.capacity)) continue;
       for (std::int32_t s = 0; s < width; ++s)
         if (pos[s] >= 0 && !std::isfinite(score[s] + inc[s]))
           detail::fail_state<non_finite_error>(w, "sequence ", b, " head ", h, " slot ", s, ": score ", score[s],
@@ -640,9 +643,13 @@ class policy_base {
     const bool find = rule_.victim != victim_rule::random_rank;
     for (std::int32_t h = 0; h < shape_.num_kv_heads; ++h) {
       const std::int32_t* pos = slots_.positions_of(b, h);
+      const float* next = next_.data() + std::size_t(h) * shape_.capacity;
       float* score = mutable_scores(b, h);
-      detail::add_increments(score, scratch_.data() + std::size_t(h) * shape_.capacity, pos, width);
-      if (find) found_victims_[std::size_t(head_index(b, h))] = detail::find_victim(rule_, score, pos, width, slots_.length(b));
+      if (find)
+        found_victims_[std::size_t(head_index(b, h))] =
+            detail::commit_and_find_victim(rule_, next, score, pos, width, slots_.length(b));
+      else
+        std::copy_n(next, width, score);
     }
     victims_found_[std::size_t(b)] = find ? 1 : 0;
     unobserved_[std::size_t(b)] = 0;
@@ -692,6 +699,7 @@ class policy_base {
   slot_table slots_;
   std::vector<float> scores_;    // [B][Hkv][capacity]
   std::vector<float> scratch_;   // [Hkv][capacity] increments / prefill scores
+  std::vector<float> next_;      // [Hkv][capacity] observe's new scores until committed
   std::vector<std::int32_t> keep_;     // [Hkv][capacity] prefill keep sets
   mutable std::vector<std::int32_t> order_;  // [capacity] candidates during selection (scratch)
   std::vector<std::int32_t> victims_;  // [Hkv]

@@ -65,10 +65,10 @@ void validate_shape(const Where& where, const policy_shape& s, std::int32_t budg
   if (s.capacity < std::int64_t{budget} + 1)
     fail<budget_error>(where, "shape.capacity", "= ", s.capacity, " cannot hold budget = ", budget,
                        " plus the spare slot (needs ", std::int64_t{budget} + 1, ")");
-  // A position and a score per (b, h, slot), and about 16 bytes of scratch per (h, slot).
+  // A position and a score per (b, h, slot), and about 24 bytes of scratch per (h, slot).
   const long double slots = static_cast<long double>(s.num_seqs) * s.num_kv_heads * s.capacity;
   require_allocation(where, "shape.num_seqs * shape.num_kv_heads * shape.capacity",
-                     8.0L * slots + 16.0L * s.num_kv_heads * s.capacity);
+                     8.0L * slots + 24.0L * s.num_kv_heads * s.capacity);
 }
 
 }  // namespace detail

@@ -32,11 +32,12 @@ namespace detail {
 
 // 11-bit digits: six passes cover 64 bits and the 8 KiB histogram stays in L1.
 constexpr int select_radix_bits = 11;
-#ifndef KV_SDIV
-#define KV_SDIV 64
-#define KV_SMAX 2048
-#define KV_SIG 3
-#endif
+// The pivot sample: one key in select_sample_divisor, at most
+// select_sample_max, and a band of select_sample_sigmas standard deviations
+// around the expected rank of the k-th key.
+constexpr std::int32_t select_sample_divisor = 64;
+constexpr std::int32_t select_sample_max = 2048;
+constexpr double select_sample_sigmas = 3.0;
 constexpr std::size_t select_align = 64;
 // Below this length, sampling costs more than the histogram pass it saves.
 constexpr std::int32_t select_sample_min_length = 2048;
@@ -117,10 +118,10 @@ inline std::uint32_t select_bin(const std::uint32_t* hist, std::uint32_t& need) 
 template <class Row>
 void sample_window(const Row& row, std::int32_t n, std::int32_t k, typename Row::coarse_type* sample,
                    typename Row::coarse_type& lo, typename Row::coarse_type& hi) {
-  const std::int32_t size = std::clamp(n / KV_SDIV, std::int32_t{32}, std::int32_t{KV_SMAX});
+  const std::int32_t size = std::clamp(n / select_sample_divisor, std::int32_t{32}, select_sample_max);
   for (std::int32_t t = 0; t < size; ++t)
     sample[t] = row.coarse(static_cast<std::int32_t>((2 * std::int64_t{t} + 1) * n / (2 * std::int64_t{size})));
-  const double p = double(k) / n, mid = p * size, margin = KV_SIG * std::sqrt(size * p * (1 - p)) + 2;
+  const double p = double(k) / n, mid = p * size, margin = select_sample_sigmas * std::sqrt(size * p * (1 - p)) + 2;
   const auto r_lo = static_cast<std::int32_t>(std::floor(mid - margin)) - 1;
   const auto r_hi = static_cast<std::int32_t>(std::ceil(mid + margin));
   lo = 0;
