@@ -333,6 +333,104 @@ TEST_CASE("multi-token append and evict_to refuse bad input and change nothing")
   CHECK(oracle.slots().count(1, 0) == 8);
 }
 
+/// Slot table and scores of sequence b, every head: what a refused call must leave as it was.
+template <class Policy>
+std::vector<float> head_state(const Policy& p, std::int32_t b) {
+  std::vector<float> out;
+  for (std::int32_t h = 0; h < kHeads; ++h) {
+    out.push_back(float(p.slots().count(b, h)));
+    out.push_back(float(p.next_slot(b, h)));
+    for (std::int32_t s = 0; s < p.shape().capacity; ++s) {
+      out.push_back(float(p.slots().position(b, h, s)));
+      out.push_back(p.score(b, h, s));
+    }
+  }
+  return out;
+}
+
+/// The number of free slots below one past the highest occupied slot.
+template <class Policy>
+std::int32_t holes_of(const Policy& p, std::int32_t b, std::int32_t h) {
+  std::int32_t span = 0, holes = 0;
+  for (std::int32_t s = 0; s < p.shape().capacity; ++s)
+    if (p.slots().position(b, h, s) >= 0) span = s + 1;
+  for (std::int32_t s = 0; s < span; ++s) holes += p.slots().position(b, h, s) < 0;
+  return holes;
+}
+
+template <class Policy>
+void check_one_evict_a_step(Policy policy) {
+  // Regression (fuzzing, issue 12): after a multi-token append a second
+  // evict in the same step freed another slot and left two holes, one of
+  // which no append would ever fill.
+  const std::int32_t cap = 16, budget = policy.budget();
+  std::vector<float> inc(std::size_t(kHeads) * cap);
+  for (std::size_t i = 0; i < inc.size(); ++i) inc[i] = float((i * 7) % 11) / 16.0f;
+  const kv::head_scores scores{kv::make_tensor_view<const float>(inc.data(), kHeads, cap)};
+  policy.append(0, budget + 3, nullptr);  // three above the budget, no hole
+  policy.observe(0, scores);
+  CHECK(policy.evict(0) == kHeads);  // the step's one victim per head
+  for (std::int32_t h = 0; h < kHeads; ++h) CHECK(holes_of(policy, 0, h) == 1);
+  const std::vector<float> before = head_state(policy, 0);
+  CHECK_THROWS_WITH_AS(policy.evict(0), doctest::Contains("evict_to"), kv::state_error);
+  CHECK(head_state(policy, 0) == before);
+  // evict_to frees the rest and closes the hole.
+  std::vector<kv::slot_move> moves(std::size_t(kHeads) * cap);
+  std::vector<std::int32_t> counts(kHeads);
+  CHECK(policy.evict_to(0, budget, moves.data(), counts.data()) == 2);
+  for (std::int32_t h = 0; h < kHeads; ++h) {
+    CHECK(policy.slots().count(0, h) == budget);
+    CHECK(holes_of(policy, 0, h) <= 1);
+  }
+  // A single-token step still evicts once, and a second evict is a no-op.
+  policy.append(0);
+  policy.observe(0, scores);
+  CHECK(policy.evict(0) == kHeads);
+  CHECK(policy.evict(0) == 0);
+  for (std::int32_t h = 0; h < kHeads; ++h) CHECK(holes_of(policy, 0, h) <= 1);
+}
+
+TEST_CASE("evict frees one token a step: after a multi-token append a second evict is refused") {
+  SUBCASE("h2o") { check_one_evict_a_step(kv::h2o_policy(shape_of(16), {4, 2})); }
+  SUBCASE("recent_window") { check_one_evict_a_step(kv::recent_window_policy(shape_of(16), {2, 4})); }
+  SUBCASE("random") { check_one_evict_a_step(kv::random_policy(shape_of(16), {6, 1, 1, 99})); }
+}
+
+TEST_CASE("batched observe + evict refuses an input narrower than a head's tokens after a multi-token append") {
+  // Regression (fuzzing, issue 12): the argument check asks for budget + 1
+  // columns, but batched_append_tokens may take a head beyond that, and
+  // observe read past the end of the input.
+  const kv::policy_shape shape = shape_of(12);
+  const kv::h2o_config config{3, 2};  // budget 5: 6 columns pass the argument check
+  std::vector<unsigned char> memory(kv::batch_state_bytes<kv::h2o_policy>(shape, config));
+  const kv::batch_state_view st = kv::make_batch_state<kv::h2o_policy>(memory.data(), memory.size(), shape, config);
+  kv::init_batch_state(st);
+  std::uint64_t status = kv::batch_status_clear;
+  kv::batched_append_tokens(st, kv::active_set::all(), 9, &status);
+  REQUIRE(status == kv::batch_status_clear);
+  const std::vector<unsigned char> before = memory;
+  std::vector<float> narrow(std::size_t(kSeqs) * kHeads * 6, 0.125f);
+  const kv::batch_head_scores six{kv::make_tensor_view<const float>(narrow.data(), kSeqs, kHeads, 6)};
+  std::vector<std::int32_t> victims(std::size_t(kSeqs) * kHeads, 7);
+  kv::batched_observe_evict(st, kv::active_set::all(), six, victims.data(), &status);
+  const kv::batch_status s = kv::batch_status::unpack(status);
+  CHECK(s.code == kv::batch_code::narrow_input);
+  CHECK(s.sequence == 0);
+  CHECK(s.head == 0);
+  CHECK(s.index == 9);  // the tokens the head holds
+  CHECK(memory == before);  // every head refused, nothing changed
+  for (std::int32_t v : victims) CHECK(v == -1);
+  CHECK_THROWS_AS(kv::throw_if_error(status), kv::invalid_argument);
+  // With a column for every token the same step goes through.
+  std::vector<float> wide(std::size_t(kSeqs) * kHeads * 9, 0.125f);
+  status = kv::batch_status_clear;
+  kv::batched_observe_evict(st, kv::active_set::all(),
+                            kv::batch_head_scores{kv::make_tensor_view<const float>(wide.data(), kSeqs, kHeads, 9)},
+                            victims.data(), &status);
+  CHECK(status == kv::batch_status_clear);
+  CHECK(st.slots.counts[0] == 8);
+}
+
 namespace {
 
 /// A K/V element of the batched streams: a hash of (position, head, d,

@@ -177,3 +177,39 @@ TEST_CASE("CUDA multi-token append and evict_to equal the host backend, every po
   all_policies_and_layouts<kv::half>();
   all_policies_and_layouts<kv::bfloat16>();
 }
+
+TEST_CASE("CUDA observe + evict refuses an input narrower than a head's tokens, as the host does") {
+  // After a multi-token append a head holds more than the budget + 1
+  // columns the argument check asks for: the kernel must report
+  // narrow_input and leave the state as it was, not read past the input.
+  const kv::policy_shape shape{kSeqs, kHeads, kHeads, kCap};
+  const kv::h2o_config config{4, 2};  // budget 6: 7 columns pass the argument check
+  std::vector<unsigned char> host_memory(kv::batch_state_bytes<kv::h2o_policy>(shape, config));
+  const kv::batch_state_view host =
+      kv::make_batch_state<kv::h2o_policy>(host_memory.data(), host_memory.size(), shape, config);
+  kv::init_batch_state(host);
+  device_buffer<unsigned char> device_memory(host_memory.size());
+  const kv::batch_state_view device =
+      kv::make_batch_state<kv::h2o_policy>(device_memory.get(), host_memory.size(), shape, config);
+  KVTEST_CUDA(kv::gpu::init_batch_state(device, nullptr));
+  std::uint64_t host_status = kv::batch_status_clear;
+  device_buffer<std::uint64_t> d_status(std::vector<std::uint64_t>{kv::batch_status_clear});
+  kv::batched_append_tokens(host, kv::active_set::all(), 10, &host_status);
+  KVTEST_CUDA(kv::gpu::batched_append_tokens(device, kv::active_set::all(), 10, d_status.get(), nullptr));
+  const std::vector<float> inc(std::size_t(kSeqs) * kHeads * 7, 0.25f);
+  device_buffer<float> d_inc(inc);
+  kv::batched_observe_evict(host, kv::active_set::all(),
+                            kv::batch_head_scores{kv::make_tensor_view<const float>(inc.data(), kSeqs, kHeads, 7)},
+                            nullptr, &host_status);
+  KVTEST_CUDA(kv::gpu::batched_observe_evict(
+      device, kv::active_set::all(),
+      kv::batch_head_scores{kv::make_tensor_view<const float>(d_inc.get(), kSeqs, kHeads, 7)}, nullptr,
+      d_status.get(), nullptr));
+  KVTEST_CUDA(cudaDeviceSynchronize());
+  CHECK(kv::batch_status::unpack(host_status).code == kv::batch_code::narrow_input);
+  CHECK(d_status.download()[0] == host_status);
+  kvtest::host_state_mirror<kv::h2o_policy> mirror(shape, config, kv::history_extent{});
+  mirror.read(device);
+  kvtest::check_same_state(host, mirror.view);
+  CHECK(host.slots.counts[0] == 10);
+}

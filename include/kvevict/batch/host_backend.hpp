@@ -46,9 +46,8 @@ template <class Source>
 std::uint64_t observe_evict_head(const batch_state_view& st, std::int32_t b, std::int32_t h, const Source& source,
                                  std::int32_t& victim) {
   const std::int64_t bh = st.head_index(b, h);
-  if (!st.appended[bh]) return pack_status(b, h, 0, batch_code::not_appended);
   std::int32_t index = 0;
-  const batch_code head = source.check_head(b, h, index);
+  const batch_code head = check_observe_head(st, source, b, h, index);
   if (head != batch_code::ok) return pack_status(b, h, index, head);
   const std::int32_t count = st.slots.counts[bh];  // occupied: exactly [0, count) after an append
   const float* current = st.scores_of(b, h);

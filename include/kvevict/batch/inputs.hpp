@@ -6,6 +6,8 @@
 // All are trivially copyable views; on CUDA they point to device memory.
 // Slot dimensions may be wider than needed: a batched call reads slots
 // [0, count(b, h)) only, and count never exceeds budget + 1 during decode.
+// After a multi-token append it can: a head whose count exceeds the input's
+// slot dimension is refused (narrow_input) rather than read past its end.
 #include <cstdint>
 #include <type_traits>
 

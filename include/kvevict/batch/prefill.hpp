@@ -561,6 +561,10 @@ void host_prefill(const batch_state_view& st, const active_set& active, const pr
   keys.scores = scores.data();
   keys.score_stride = m;
   std::vector<unsigned char> select_workspace(select_workspace_bytes(keys));
+  // Head h's prompt scores; none without scores (no offset from a null data()).
+  const auto scores_of = [&](std::int32_t h) {
+    return Scores::has_scores ? scores.data() + std::size_t(h) * std::size_t(m) : nullptr;
+  };
 
   for_each_active(st, active, status, [&](std::int32_t b) {
     const std::int32_t length = prompts.lengths[b];
@@ -573,7 +577,7 @@ void host_prefill(const batch_state_view& st, const active_set& active, const pr
     // one a kernel's atomic minimum keeps), unless the sequence itself is bad.
     for (std::int32_t h = 0; h < heads && word == batch_status_clear; ++h) {
       std::uint64_t found = checks.head_problem(b, h, length, 0, 1);
-      if (found == batch_status_clear) found = scorer.score_head(b, h, length, scores.data() + std::size_t(h) * m);
+      if (found == batch_status_clear) found = scorer.score_head(b, h, length, scores_of(h));
       if (found != batch_status_clear) word = found;  // heads ascend: the first is the lowest
     }
     if (word != batch_status_clear) {
@@ -598,7 +602,7 @@ void host_prefill(const batch_state_view& st, const active_set& active, const pr
         for (std::int32_t s = 0; s < plan.kept; ++s) keep[std::size_t(s)] = plan.source(s, picked);
         compact_rows(*cache, b, h, keep.data(), plan.kept, static_cast<T*>(nullptr));  // sources ascend: in place
       }
-      const float* score = scores.data() + std::size_t(h) * m;
+      const float* score = scores_of(h);
       commit_prefill_slots(
           st, b, h, plan, picked, [&](std::int32_t p) { return Scores::has_scores ? score[p] : 0.0f; }, 0, 1);
       commit_prefill_counters(st, b, h, plan.kept);

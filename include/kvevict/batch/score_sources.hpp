@@ -1,15 +1,18 @@
 #pragma once
-// One adapter per batched score input (inputs.hpp) with the same two calls,
-// so a single observe + evict loop, on the host or in a kernel, serves them
-// all:
+// One adapter per batched score input (inputs.hpp) with the same three
+// calls, so a single observe + evict loop, on the host or in a kernel, serves
+// them all:
 //
+//   std::int32_t columns()              // slots the input has a value for
 //   batch_code check_head(b, h, index)  // per-(b, h) inputs: LSE, query rows
 //   slot_increment increment(b, h, s)   // slot s's increment, folded over the group
 //
-// Both are KVEVICT_HOST_DEVICE and built from decode_rules.hpp.
+// All are KVEVICT_HOST_DEVICE and built from decode_rules.hpp;
+// check_observe_head runs the checks of a (b, h) in the order both devices use.
 #include <cstdint>
 
 #include "kvevict/batch/inputs.hpp"
+#include "kvevict/batch/state.hpp"
 #include "kvevict/batch/status.hpp"
 #include "kvevict/config.hpp"
 #include "kvevict/dtype/convert.hpp"
@@ -41,6 +44,7 @@ struct score_source<batch_probs> {
   std::int32_t group_size;
   group_reduce reduce;
 
+  KVEVICT_HOST_DEVICE std::int32_t columns() const noexcept { return in.probs.extents[2]; }
   KVEVICT_HOST_DEVICE batch_code check_head(std::int32_t, std::int32_t, std::int32_t&) const noexcept {
     return batch_code::ok;
   }
@@ -55,6 +59,7 @@ struct score_source<batch_head_scores> {
   std::int32_t group_size;
   group_reduce reduce;
 
+  KVEVICT_HOST_DEVICE std::int32_t columns() const noexcept { return in.scores.extents[2]; }
   KVEVICT_HOST_DEVICE batch_code check_head(std::int32_t, std::int32_t, std::int32_t&) const noexcept {
     return batch_code::ok;
   }
@@ -70,6 +75,7 @@ struct score_source<batch_logits> {
   std::int32_t group_size;
   group_reduce reduce;
 
+  KVEVICT_HOST_DEVICE std::int32_t columns() const noexcept { return in.logits.extents[2]; }
   KVEVICT_HOST_DEVICE batch_code check_head(std::int32_t b, std::int32_t h, std::int32_t& index) const noexcept {
     return detail::check_group_lse(in.lse, b, h, group_size, index);
   }
@@ -92,6 +98,8 @@ struct query_source {
   std::int32_t group_size;
   group_reduce reduce;
 
+  /// Every slot of the cache has a key.
+  KVEVICT_HOST_DEVICE std::int32_t columns() const noexcept { return cache.capacity; }
   KVEVICT_HOST_DEVICE batch_code check_head(std::int32_t b, std::int32_t h, std::int32_t& index) const noexcept {
     const batch_code lse = detail::check_group_lse(in.lse, b, h, group_size, index);
     if (lse != batch_code::ok) return lse;
@@ -118,4 +126,24 @@ struct query_source {
   }
 };
 
+namespace detail {
+
+/// The checks of (b, h) before observe + evict reads its slots, in the order
+/// both devices make them: an append since the last observe; a value in the
+/// input for every occupied slot (the argument check asks for budget + 1
+/// columns, and a multi-token append takes a head beyond that: index = the
+/// slots held); then the source's per-head inputs.
+template <class Source>
+KVEVICT_HOST_DEVICE batch_code check_observe_head(const batch_state_view& st, const Source& source, std::int32_t b,
+                                                  std::int32_t h, std::int32_t& index) noexcept {
+  const std::int64_t bh = st.head_index(b, h);
+  if (!st.appended[bh]) return batch_code::not_appended;
+  if (st.slots.counts[bh] > source.columns()) {
+    index = st.slots.counts[bh];
+    return batch_code::narrow_input;
+  }
+  return source.check_head(b, h, index);
+}
+
+}  // namespace detail
 }  // namespace kvevict

@@ -39,6 +39,7 @@ enum class batch_code : std::uint32_t {
   bad_length = 17,           ///< a prompt length outside [1, capacity] (index: the length)
   over_capacity = 18,        ///< appending `index` tokens would exceed the capacity
   not_observed = 19,         ///< evict_to after an append with no observe + evict since
+  narrow_input = 20,         ///< the input has fewer columns than the head holds tokens (`index`)
 };
 
 /// The value of a clear status word.
@@ -97,6 +98,8 @@ inline const char* describe(batch_code code) noexcept {
     case batch_code::bad_length: return "a prompt length is outside [1, capacity]";
     case batch_code::over_capacity: return "appending these tokens would exceed the capacity";
     case batch_code::not_observed: return "evict_to after an append that was not observed";
+    case batch_code::narrow_input:
+      return "the input has fewer columns than the head holds tokens (after a multi-token append)";
   }
   return "unknown status code";
 }

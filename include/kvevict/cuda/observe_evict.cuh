@@ -60,7 +60,7 @@ __global__ void __launch_bounds__(BlockThreads)
   const std::int64_t bh = st.head_index(b, h);
   if (t == 0) {
     std::int32_t index = 0;
-    const batch_code code = st.appended[bh] ? source.check_head(b, h, index) : batch_code::not_appended;
+    const batch_code code = kvevict::detail::check_observe_head(st, source, b, h, index);
     shared_word = code == batch_code::ok ? batch_status_clear : pack_status(b, h, index, code);
     shared_victim = -1;
   }

@@ -190,7 +190,9 @@ class policy_base {
   /// Decode step (step 6): when sequence b holds more than budget
   /// tokens, frees one victim slot per KV head; no K/V bytes move. Writes the
   /// victims' slots to victim_slots[h] (-1 when nothing was evicted) if given
-  /// and returns the number of slots freed.
+  /// and returns the number of slots freed. One token a step: above the
+  /// budget with a slot already freed (a multi-token append, or evict_to to
+  /// a target above the budget) it is refused; evict_to frees the rest.
   std::int32_t evict(std::int32_t b, std::int32_t* victim_slots = nullptr) {
     const detail::site w = where("evict");
     require_observed(w, b);
@@ -203,6 +205,14 @@ class policy_base {
     // observe found the victims in its pass over the scores, where it could.
     const bool found = victims_found_[std::size_t(b)] != 0;
     for (std::int32_t h = 0; h < heads; ++h) {
+      // A free slot below count is the one hole a step may leave: a second
+      // victim would make two, and append fills only one.
+      const std::int32_t next = slots_.next_slot(b, h);
+      if (next >= 0 && next < slots_.count(b, h))
+        detail::fail_state<state_error>(w, "sequence ", b, " head ", h, " holds ", slots_.count(b, h),
+                                        " tokens, above the budget ", rule_.budget,
+                                        ", and already has a free slot; evict frees one token a step: "
+                                        "call evict_to(b, budget) after a multi-token append");
       const std::int32_t s = found ? found_victims_[std::size_t(head_index(b, h))] : derived().choose_victim(b, h);
       if (s < 0) detail::fail_state<state_error>(w, "sequence ", b, " head ", h, " has no evictable token");
       victims_[std::size_t(h)] = s;
