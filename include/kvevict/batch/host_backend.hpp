@@ -19,6 +19,7 @@
 #include "kvevict/batch/step.hpp"
 #include "kvevict/batch/validate.hpp"
 #include "kvevict/kv_view.hpp"
+#include "kvevict/policy/decode_pass.hpp"
 #include "kvevict/policy/decode_rules.hpp"
 #include "kvevict/policy/leave_one_out.hpp"
 
@@ -41,6 +42,28 @@ void for_each_active(const batch_state_view& st, const active_set& active, std::
   }
 }
 
+/// The new scores of (b, h)'s slots [0, count) into next, a row at a time
+/// in one pass (decode_pass.hpp), for the inputs whose slot dimension has
+/// unit stride. False when the input has no such rows, holds a bad value or
+/// a score would overflow: the per-slot path then runs and names it.
+inline bool row_scores(const score_source<batch_probs>& source, std::int32_t b, std::int32_t h, const float* score,
+                       const std::int32_t* positions, std::int32_t count, float* next) noexcept {
+  if (source.in.probs.strides[2] != 1) return false;
+  const std::int32_t g = source.group_size;
+  return fold_and_add_probability_rows([&](std::int32_t j) { return &source.in.probs(b, h * g + j, 0); }, g,
+                                       source.reduce, score, positions, count, next);
+}
+inline bool row_scores(const score_source<batch_head_scores>& source, std::int32_t b, std::int32_t h,
+                       const float* score, const std::int32_t* positions, std::int32_t count, float* next) noexcept {
+  if (source.in.scores.strides[2] != 1) return false;
+  return add_finite_row(&source.in.scores(b, h, 0), score, positions, count, next);
+}
+template <class Source>
+bool row_scores(const Source&, std::int32_t, std::int32_t, const float*, const std::int32_t*, std::int32_t,
+                float*) noexcept {
+  return false;  // logits and queries: an exponential per slot, the per-slot path
+}
+
 /// Observe + evict of one (b, h) for the score-based policies.
 template <class Source>
 std::uint64_t observe_evict_head(const batch_state_view& st, std::int32_t b, std::int32_t h, const Source& source,
@@ -50,8 +73,19 @@ std::uint64_t observe_evict_head(const batch_state_view& st, std::int32_t b, std
   const batch_code head = check_observe_head(st, source, b, h, index);
   if (head != batch_code::ok) return pack_status(b, h, index, head);
   const std::int32_t count = st.slots.counts[bh];  // occupied: exactly [0, count) after an append
+  const std::int32_t* positions = st.slots.positions_of(b, h);
   const float* current = st.scores_of(b, h);
   float* updated = st.spare_scores_of(b, h);
+  // The hot path: whole rows, checked by reductions, bit for bit the per-slot rules.
+  if (row_scores(source, b, h, current, positions, count, updated)) {
+    if (count <= st.rule.budget) victim = -1;
+    else if (st.rule.victim == victim_rule::random_rank)
+      victim = pick_victim(st.rule, positions, updated, count, st.slots.lengths[b],
+                           st.streams ? st.streams[b] : std::uint64_t(b), h,
+                           st.victim_scratch ? st.victim_scratch + bh * st.capacity() : nullptr);
+    else victim = find_victim(st.rule, updated, positions, count, st.slots.lengths[b]);
+    return batch_status_clear;
+  }
   for (std::int32_t s = 0; s < count; ++s) {
     const slot_increment inc = source.increment(b, h, s);
     if (inc.code != batch_code::ok) return pack_status(b, h, s, inc.code);
@@ -60,7 +94,7 @@ std::uint64_t observe_evict_head(const batch_state_view& st, std::int32_t b, std
     updated[s] = score;
   }
   victim = count > st.rule.budget
-               ? pick_victim(st.rule, st.slots.positions_of(b, h), updated, count, st.slots.lengths[b],
+               ? pick_victim(st.rule, positions, updated, count, st.slots.lengths[b],
                              st.streams ? st.streams[b] : std::uint64_t(b), h,
                              st.victim_scratch ? st.victim_scratch + bh * st.capacity() : nullptr)
                : -1;

@@ -26,44 +26,77 @@ inline std::uint32_t not_probability(float v) noexcept {
   return std::uint32_t(!(v >= 0.0f) | (v > std::numeric_limits<float>::max()));
 }
 
-/// fold_probability_rows for a group size known at compile time: one pass,
-/// the G rows read side by side.
-template <std::int32_t G, class RowOf>
-bool fold_rows_fixed(RowOf rows, group_reduce reduce, const std::int32_t* positions, std::int32_t width,
-                     float* out) noexcept {
+/// True when v is NaN or infinite.
+inline std::uint32_t outside_float_range(float v) noexcept {
+  constexpr float kMax = std::numeric_limits<float>::max();
+  return std::uint32_t(!(v >= -kMax) | (v > kMax));
+}
+
+/// fold_rows_fixed for a reduction known at compile time: one pass, the G
+/// rows read side by side, no branch in the loop. AddScore: out[s] =
+/// score[s] + the fold, as next_scores adds it, in the same pass.
+template <std::int32_t G, group_reduce Reduce, bool AddScore, class RowOf>
+bool fold_rows_pass(RowOf rows, const std::int32_t* positions, std::int32_t width, const float* score,
+                    float* out) noexcept {
   constexpr float kMax = std::numeric_limits<float>::max();
   const float* x[G];
   for (std::int32_t j = 0; j < G; ++j) x[j] = rows(j);
   std::uint32_t bad = 0;
-  if (reduce == group_reduce::max) {
-    for (std::int32_t s = 0; s < width; ++s) {
-      float acc = 0.0f;
-      std::uint32_t wrong = 0;
-      for (std::int32_t j = 0; j < G; ++j) {
-        const float v = x[j][s];
-        wrong |= not_probability(v);
-        acc = v > acc ? v : acc;
-      }
-      bad |= std::uint32_t(positions[s] >= 0) & wrong;
-      out[s] = acc;
+  for (std::int32_t s = 0; s < width; ++s) {
+    float acc = 0.0f;
+    std::uint32_t wrong = 0;
+    for (std::int32_t j = 0; j < G; ++j) {
+      const float v = x[j][s];
+      wrong |= not_probability(v);
+      if constexpr (Reduce == group_reduce::max) acc = v > acc ? v : acc;
+      else acc = add(acc, v);
     }
-  } else {
-    const float n = static_cast<float>(G);
-    const bool mean = reduce == group_reduce::mean;
+    if constexpr (Reduce == group_reduce::mean) acc = div(acc, static_cast<float>(G));
+    // Finite elements can sum past FLT_MAX (reduce_groups names the group).
+    if constexpr (Reduce != group_reduce::max) wrong |= std::uint32_t(acc > kMax);
+    const std::uint32_t occupied = positions[s] >= 0;
+    float v = acc;
+    if constexpr (AddScore) {
+      v = add(score[s], occupied ? acc : 0.0f);  // next_scores' rule
+      wrong |= outside_float_range(v);
+    }
+    bad |= occupied & wrong;
+    out[s] = v;
+  }
+  return bad == 0;
+}
+
+/// fold_probability_rows (AddScore: fold_and_add_probability_rows) for a
+/// group size known at compile time.
+template <std::int32_t G, bool AddScore, class RowOf>
+bool fold_rows_fixed(RowOf rows, group_reduce reduce, const std::int32_t* positions, std::int32_t width,
+                     const float* score, float* out) noexcept {
+  switch (reduce) {
+    case group_reduce::max: return fold_rows_pass<G, group_reduce::max, AddScore>(rows, positions, width, score, out);
+    case group_reduce::mean: return fold_rows_pass<G, group_reduce::mean, AddScore>(rows, positions, width, score, out);
+    default: return fold_rows_pass<G, group_reduce::sum, AddScore>(rows, positions, width, score, out);
+  }
+}
+
+/// The fold of fold_probability_rows for any group size, row by row.
+template <class RowOf>
+bool fold_rows_any(RowOf rows, std::int32_t g, group_reduce reduce, const std::int32_t* positions,
+                   std::int32_t width, float* out) noexcept {
+  constexpr float kMax = std::numeric_limits<float>::max();
+  std::uint32_t bad = 0;
+  for (std::int32_t j = 0; j < g; ++j) {
+    const float* x = rows(j);
     for (std::int32_t s = 0; s < width; ++s) {
-      float acc = 0.0f;
-      std::uint32_t wrong = 0;
-      for (std::int32_t j = 0; j < G; ++j) {
-        const float v = x[j][s];
-        wrong |= not_probability(v);
-        acc = add(acc, v);
-      }
-      const float r = mean ? div(acc, n) : acc;
-      // Finite elements can still sum past FLT_MAX (reduce_groups names the group).
-      bad |= std::uint32_t(positions[s] >= 0) & (wrong | std::uint32_t(r > kMax));
-      out[s] = r;
+      const float v = x[s], acc = j == 0 ? 0.0f : out[s];
+      bad |= std::uint32_t(positions[s] >= 0) & not_probability(v);
+      out[s] = reduce == group_reduce::max ? (v > acc ? v : acc) : add(acc, v);
     }
   }
+  if (reduce == group_reduce::mean) {
+    const float n = static_cast<float>(g);
+    for (std::int32_t s = 0; s < width; ++s) out[s] = div(out[s], n);
+  }
+  for (std::int32_t s = 0; s < width; ++s) bad |= std::uint32_t(positions[s] >= 0) & std::uint32_t(out[s] > kMax);
   return bad == 0;
 }
 
@@ -77,48 +110,12 @@ template <class RowOf>
 bool fold_probability_rows(RowOf rows, std::int32_t g, group_reduce reduce, const std::int32_t* positions,
                            std::int32_t width, float* out) noexcept {
   switch (g) {  // the usual GQA groups in one pass
-    case 1: return fold_rows_fixed<1>(rows, reduce, positions, width, out);
-    case 2: return fold_rows_fixed<2>(rows, reduce, positions, width, out);
-    case 4: return fold_rows_fixed<4>(rows, reduce, positions, width, out);
-    case 8: return fold_rows_fixed<8>(rows, reduce, positions, width, out);
-    default: break;
+    case 1: return fold_rows_fixed<1, false>(rows, reduce, positions, width, nullptr, out);
+    case 2: return fold_rows_fixed<2, false>(rows, reduce, positions, width, nullptr, out);
+    case 4: return fold_rows_fixed<4, false>(rows, reduce, positions, width, nullptr, out);
+    case 8: return fold_rows_fixed<8, false>(rows, reduce, positions, width, nullptr, out);
+    default: return fold_rows_any(rows, g, reduce, positions, width, out);
   }
-  constexpr float kMax = std::numeric_limits<float>::max();
-  std::uint32_t bad = 0;
-  for (std::int32_t j = 0; j < g; ++j) {  // any other group: row by row
-    const float* x = rows(j);
-    if (reduce == group_reduce::max) {
-      for (std::int32_t s = 0; s < width; ++s) {
-        const float v = x[s], acc = j == 0 ? 0.0f : out[s];
-        bad |= std::uint32_t(positions[s] >= 0) & not_probability(v);
-        out[s] = v > acc ? v : acc;
-      }
-    } else {
-      for (std::int32_t s = 0; s < width; ++s) {
-        const float v = x[s], acc = j == 0 ? 0.0f : out[s];
-        bad |= std::uint32_t(positions[s] >= 0) & not_probability(v);
-        out[s] = add(acc, v);
-      }
-    }
-  }
-  if (reduce == group_reduce::mean) {
-    const float n = static_cast<float>(g);
-    for (std::int32_t s = 0; s < width; ++s) out[s] = div(out[s], n);
-  }
-  for (std::int32_t s = 0; s < width; ++s) bad |= std::uint32_t(positions[s] >= 0) & std::uint32_t(out[s] > kMax);
-  return bad == 0;
-}
-
-/// out[s] = x[s] for s < width; false when an occupied column is not finite.
-inline bool copy_finite_row(const float* x, const std::int32_t* positions, std::int32_t width, float* out) noexcept {
-  constexpr float kMax = std::numeric_limits<float>::max();
-  std::uint32_t bad = 0;
-  for (std::int32_t s = 0; s < width; ++s) {
-    const float v = x[s];
-    bad |= std::uint32_t(positions[s] >= 0) & std::uint32_t(!(v >= -kMax) | (v > kMax));
-    out[s] = v;
-  }
-  return bad == 0;
 }
 
 /// next[s] = score[s] + inc[s] for the occupied s < width (in place: next
@@ -129,13 +126,44 @@ inline bool copy_finite_row(const float* x, const std::int32_t* positions, std::
 /// vectoriser.
 inline bool next_scores(const float* score, const float* inc, const std::int32_t* positions, std::int32_t width,
                         float* next) noexcept {
-  constexpr float kMax = std::numeric_limits<float>::max();
   std::uint32_t bad = 0;
   for (std::int32_t s = 0; s < width; ++s) {
     const std::uint32_t occupied = positions[s] >= 0;
     const float x = inc[s];
     const float v = add(score[s], occupied ? x : 0.0f);
-    bad |= occupied & std::uint32_t(!(v >= -kMax) | (v > kMax));
+    bad |= occupied & outside_float_range(v);
+    next[s] = v;
+  }
+  return bad == 0;
+}
+
+/// fold_probability_rows and next_scores in one pass where the group size
+/// allows: next[s] = score[s] + the fold of column s. False on a bad value
+/// or a score leaving the float range; next is then garbage and the caller's
+/// scalar path names the element.
+template <class RowOf>
+bool fold_and_add_probability_rows(RowOf rows, std::int32_t g, group_reduce reduce, const float* score,
+                                   const std::int32_t* positions, std::int32_t width, float* next) noexcept {
+  switch (g) {
+    case 1: return fold_rows_fixed<1, true>(rows, reduce, positions, width, score, next);
+    case 2: return fold_rows_fixed<2, true>(rows, reduce, positions, width, score, next);
+    case 4: return fold_rows_fixed<4, true>(rows, reduce, positions, width, score, next);
+    case 8: return fold_rows_fixed<8, true>(rows, reduce, positions, width, score, next);
+    default:
+      return fold_rows_any(rows, g, reduce, positions, width, next) && next_scores(score, next, positions, width, next);
+  }
+}
+
+/// next[s] = score[s] + x[s] (next_scores) from one row of increments of any
+/// sign; false when an occupied increment or sum is not finite.
+inline bool add_finite_row(const float* x, const float* score, const std::int32_t* positions, std::int32_t width,
+                           float* next) noexcept {
+  std::uint32_t bad = 0;
+  for (std::int32_t s = 0; s < width; ++s) {
+    const std::uint32_t occupied = positions[s] >= 0;
+    const float inc = x[s];
+    const float v = add(score[s], occupied ? inc : 0.0f);
+    bad |= occupied & (outside_float_range(inc) | outside_float_range(v));
     next[s] = v;
   }
   return bad == 0;

@@ -249,16 +249,19 @@ class policy_base {
     const bool at_least[2] = {false, true};
     detail::require_extents(w, "probs", in.probs, expected, at_least);
     const std::int32_t g = shape_.group_size();
-    bool valid = in.probs.strides[1] == 1;  // the fast path reads rows
+    // The fast path reads rows and writes the new scores in one pass per head.
+    bool valid = in.probs.strides[1] == 1;
     for (std::int32_t h = 0; valid && h < shape_.num_kv_heads; ++h)
-      valid = detail::fold_probability_rows([&](std::int32_t j) { return &in.probs(h * g + j, 0); }, g, rule_.reduce,
-                                            slots_.positions_of(b, h), expected[1],
-                                            scratch_.data() + std::size_t(h) * shape_.capacity);
-    if (!valid)  // strided columns, or a bad element to name: the scalar rule
+      valid = detail::fold_and_add_probability_rows([&](std::int32_t j) { return &in.probs(h * g + j, 0); }, g,
+                                                    rule_.reduce, scores_of(b, h), slots_.positions_of(b, h),
+                                                    expected[1], next_of(h));
+    if (!valid) {  // strided columns, or a bad element or overflow to name: the scalar rules
       detail::reduce_groups(
           w, "probs", group(), expected[1], occupied(b), [&](std::int32_t q, std::int32_t s) { return in.probs(q, s); },
           scratch_.data(), shape_.capacity);
-    commit_increments(w, b, expected[1]);
+      stage_next_scores(w, b, expected[1]);
+    }
+    commit_next_scores(b, expected[1]);
   }
 
   /// Adds per-KV-head increments the engine reduced itself.
@@ -270,9 +273,9 @@ class policy_base {
     detail::require_extents(w, "scores", in.scores, expected, at_least);
     bool valid = in.scores.strides[1] == 1;
     for (std::int32_t h = 0; valid && h < shape_.num_kv_heads; ++h)
-      valid = detail::copy_finite_row(&in.scores(h, 0), slots_.positions_of(b, h), expected[1],
-                                      scratch_.data() + std::size_t(h) * shape_.capacity);
-    if (!valid) {  // strided columns, or a bad element to name
+      valid = detail::add_finite_row(&in.scores(h, 0), scores_of(b, h), slots_.positions_of(b, h), expected[1],
+                                     next_of(h));
+    if (!valid) {  // strided columns, or a bad element or overflow to name
       const auto wanted = occupied(b);
       for (std::int32_t h = 0; h < shape_.num_kv_heads; ++h)
         for (std::int32_t s = 0; s < expected[1]; ++s)
@@ -281,8 +284,9 @@ class policy_base {
             detail::require_finite(w, "scores", x, h, s);
             scratch_[std::size_t(h) * shape_.capacity + s] = x;
           }
+      stage_next_scores(w, b, expected[1]);
     }
-    commit_increments(w, b, expected[1]);
+    commit_next_scores(b, expected[1]);
   }
 
   /// Fused-attention path with logits: prob = exp(logits(q, s) * scale -
@@ -634,26 +638,40 @@ class policy_base {
   }
 
   /// Adds the validated increments in scratch_ (columns [0, width)) to the
-  /// occupied slots of b, after checking that no score would overflow to a
-  /// non-finite value, and finds each head's victim in the same pass, so
-  /// evict only reads it. Ends the step's observation.
+  /// occupied slots of b and commits them (commit_next_scores). Ends the
+  /// step's observation.
   void commit_increments(const detail::site& w, std::int32_t b, std::int32_t width) {
-    // The new scores go to next_, the overflow check a reduction in the same
-    // pass; nothing is committed until every head has passed it.
+    stage_next_scores(w, b, width);
+    commit_next_scores(b, width);
+  }
+
+  float* next_of(std::int32_t h) noexcept { return next_.data() + std::size_t(h) * shape_.capacity; }
+
+  /// next_ = the scores of b plus the increments in scratch_, for every head,
+  /// after checking that no occupied score would become non-finite (a
+  /// reduction in the same pass; the slot is named only when it fails).
+  /// Nothing is committed.
+  void stage_next_scores(const detail::site& w, std::int32_t b, std::int32_t width) {
     for (std::int32_t h = 0; h < shape_.num_kv_heads; ++h) {
       const std::int32_t* pos = slots_.positions_of(b, h);
       const float* inc = scratch_.data() + std::size_t(h) * shape_.capacity;
       const float* score = scores_of(b, h);
-      if (detail::next_scores(score, inc, pos, width, next_.data() + std::size_t(h) * shape_.capacity)) continue;
+      if (detail::next_scores(score, inc, pos, width, next_of(h))) continue;
       for (std::int32_t s = 0; s < width; ++s)
         if (pos[s] >= 0 && !std::isfinite(score[s] + inc[s]))
           detail::fail_state<non_finite_error>(w, "sequence ", b, " head ", h, " slot ", s, ": score ", score[s],
                                                " + increment ", inc[s], " overflows");
     }
+  }
+
+  /// Makes the staged scores in next_ current for every head of b and finds
+  /// each head's victim in the same pass, so evict only reads it. Ends the
+  /// step's observation; nothing here can fail.
+  void commit_next_scores(std::int32_t b, std::int32_t width) {
     const bool find = rule_.victim != victim_rule::random_rank;
     for (std::int32_t h = 0; h < shape_.num_kv_heads; ++h) {
       const std::int32_t* pos = slots_.positions_of(b, h);
-      const float* next = next_.data() + std::size_t(h) * shape_.capacity;
+      const float* next = next_of(h);
       float* score = mutable_scores(b, h);
       if (find)
         found_victims_[std::size_t(head_index(b, h))] =
