@@ -8,11 +8,17 @@
 #include "gpu_bench_common.cuh"
 #include "gpu_decode.cuh"
 #include "gpu_decode_baselines.cuh"
+#include "gpu_evict_to.cuh"
+#include "gpu_prefill.cuh"
+#include "gpu_select.cuh"
 
 int main(int argc, char** argv) {
   if (!kvbench::gpu::device_present()) return 77;
   kvbench::gpu::decode::register_all();
   kvbench::gpu::decode::register_baselines();
+  kvbench::gpu::select::register_all();
+  kvbench::gpu::prefill::register_all();
+  kvbench::gpu::evict_to::register_all();
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   benchmark::RunSpecifiedBenchmarks();

@@ -286,6 +286,40 @@ inline void d2d_copy(benchmark::State& state, std::int64_t items, std::int64_t b
   });
 }
 
+/// A bf16 BHSD K/V cache in device memory, filled with a non-zero pattern
+/// (timing on zeros can flatter a kernel).
+struct device_kv_cache {
+  device_array<kvevict::bfloat16> k, v;
+  kvevict::kv_view<kvevict::bfloat16, kvevict::strided_layout> view;
+
+  explicit device_kv_cache(const scenario& sc)
+      : k(std::size_t(sc.slots_total()) * std::size_t(sc.head_dim)), v(k.size()) {
+    check(cudaMemset(k.get(), 0x3C, k.bytes()), "cudaMemset");
+    check(cudaMemset(v.get(), 0x3D, v.bytes()), "cudaMemset");
+    view.k = k.get();
+    view.v = v.get();
+    view.layout = kvevict::strided_layout::bhsd(sc.kv_heads, sc.slots, sc.head_dim);
+    view.num_seqs = sc.seqs;
+    view.num_heads = sc.kv_heads;
+    view.capacity = sc.slots;
+    view.head_dim = sc.head_dim;
+  }
+};
+
+/// The status word of a batched policy as a benchmark's verdict: empty when
+/// clear, else the library's message.
+template <class Policy>
+std::string status_problem(const Policy& policy, const char* call) {
+  const std::uint64_t word = policy.status_word();
+  if (word == kvevict::batch_status_clear) return {};
+  try {
+    kvevict::throw_if_error(word, call);
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return std::string(call) + ": status word not clear";
+}
+
 /// main()'s first act: without a device, say so and exit 77 (ctest: skipped).
 inline bool device_present() {
   int devices = 0;

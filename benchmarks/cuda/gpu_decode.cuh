@@ -178,15 +178,8 @@ class decode_layers {
   /// Empty when every layer's status word is clear.
   std::string problems() {
     for (layer<Setup>& ly : layers_) {
-      const std::uint64_t word = ly.policy.status_word();
-      if (word != batch_status_clear) {
-        try {
-          kvevict::throw_if_error(word, "gpu decode step");
-        } catch (const std::exception& e) {
-          return e.what();
-        }
-        return "gpu decode step: status word not clear";
-      }
+      const std::string problem = status_problem(ly.policy, "gpu decode step");
+      if (!problem.empty()) return problem;
     }
     return {};
   }
@@ -280,7 +273,7 @@ void step_warm(benchmark::State& state, scenario sc, input_kind kind, distributi
 
 inline std::string name(const std::string& method, const std::string& input, const scenario& sc, distribution d,
                         const char* dtype) {
-  return bench_name("gpu_decode", method, input, sc.name, "evict1", name_of(d), dtype);
+  return bench_name("gpu_decode", method, input, sc.name, "evict1", kvbench::name_of(d), dtype);
 }
 
 template <class Setup>
