@@ -10,7 +10,9 @@
 // its sequences), and a write of twice the L2's size evicts what the last
 // replay left there: 32 layers of S5 (7 MiB) would otherwise stay in the
 // 50 MB L2 and read as hot. The warm case replays one layer's graph
-// back-to-back with no flush.
+// back-to-back with no flush. Work that a graph cannot capture (a call that
+// waits for the device) runs eagerly instead: the 32 layers' calls between
+// the events, which then also time their launches and waits.
 //
 // Names and scenarios are the host's (bench_common.hpp), prefixed gpu_, so
 // scripts/bench_report.py pairs every row with its baseline.
@@ -169,36 +171,58 @@ struct cold_run {
   std::function<std::string()> verify;    ///< optional: a non-empty message fails the benchmark
   std::int64_t items_per_layer = 0;
   std::int64_t bytes_per_layer = 0;
+  bool capturable = true;                 ///< false: launched eagerly every iteration
 };
 
-/// Times `run` cold over kLayers layers: manual time = replay / kLayers.
-inline void time_cold(benchmark::State& state, timing_context& ctx, const cold_run& run) {
-  const layer_graph step(ctx.stream, kLayers, run.step);
-  std::unique_ptr<layer_graph> prepare;
-  if (run.prepare) prepare = std::make_unique<layer_graph>(ctx.stream, kLayers, run.prepare);
-  const l2_flush flush;
-  for (int warm_up = 0; warm_up < 2; ++warm_up) {  // graph upload, first-touch costs
-    if (prepare) check(prepare->launch(ctx.stream), "cudaGraphLaunch (prepare)");
-    check(step.launch(ctx.stream), "cudaGraphLaunch");
-  }
-  check(cudaStreamSynchronize(ctx.stream), "warm-up");
-  for (auto _ : state) {
-    if (prepare) check(prepare->launch(ctx.stream), "cudaGraphLaunch (prepare)");
-    check(flush.enqueue(ctx.stream), "L2 flush");
-    check(cudaEventRecord(ctx.start, ctx.stream), "cudaEventRecord");
-    check(step.launch(ctx.stream), "cudaGraphLaunch");
-    check(cudaEventRecord(ctx.stop, ctx.stream), "cudaEventRecord");
-    check(cudaEventSynchronize(ctx.stop), "cudaEventSynchronize");
-    float ms = 0.0f;
-    check(cudaEventElapsedTime(&ms, ctx.start, ctx.stop), "cudaEventElapsedTime");
-    state.SetIterationTime(double(ms) * 1e-3 / kLayers);
-  }
+/// The layers' calls one after the other on `stream`, eagerly.
+inline void enqueue_layers(const layer_work& work, cudaStream_t stream, const char* what) {
+  for (int l = 0; l < kLayers; ++l) check(work(l, stream), what);
+}
+
+/// After a timed loop: no pending CUDA error, the run's own check, then
+/// items and bytes.
+inline void finish(benchmark::State& state, const cold_run& run) {
   check(cudaGetLastError(), "after the timed loop");
   if (run.verify) {
     const std::string problem = run.verify();
     if (!problem.empty()) throw setup_failure{problem};
   }
   kvbench::report(state, run.items_per_layer, run.bytes_per_layer);
+}
+
+/// Times `run` cold over kLayers layers: manual time = replay / kLayers.
+inline void time_cold(benchmark::State& state, timing_context& ctx, const cold_run& run) {
+  std::unique_ptr<layer_graph> step, prepare;
+  if (run.capturable) {
+    step = std::make_unique<layer_graph>(ctx.stream, kLayers, run.step);
+    if (run.prepare) prepare = std::make_unique<layer_graph>(ctx.stream, kLayers, run.prepare);
+  }
+  const auto launch_prepare = [&] {
+    if (prepare) check(prepare->launch(ctx.stream), "cudaGraphLaunch (prepare)");
+    else if (run.prepare) enqueue_layers(run.prepare, ctx.stream, "prepare");
+  };
+  const auto launch_step = [&] {
+    if (step) check(step->launch(ctx.stream), "cudaGraphLaunch");
+    else enqueue_layers(run.step, ctx.stream, "step");
+  };
+  const l2_flush flush;
+  for (int warm_up = 0; warm_up < 2; ++warm_up) {  // graph upload, first-touch costs
+    launch_prepare();
+    launch_step();
+  }
+  check(cudaStreamSynchronize(ctx.stream), "warm-up");
+  for (auto _ : state) {
+    launch_prepare();
+    check(flush.enqueue(ctx.stream), "L2 flush");
+    check(cudaEventRecord(ctx.start, ctx.stream), "cudaEventRecord");
+    launch_step();
+    check(cudaEventRecord(ctx.stop, ctx.stream), "cudaEventRecord");
+    check(cudaEventSynchronize(ctx.stop), "cudaEventSynchronize");
+    float ms = 0.0f;
+    check(cudaEventElapsedTime(&ms, ctx.start, ctx.stop), "cudaEventElapsedTime");
+    state.SetIterationTime(double(ms) * 1e-3 / kLayers);
+  }
+  finish(state, run);
 }
 
 /// Times one layer's step warm: kWarmReplays back-to-back replays of its
@@ -216,12 +240,7 @@ inline void time_warm(benchmark::State& state, timing_context& ctx, const cold_r
     check(cudaEventElapsedTime(&ms, ctx.start, ctx.stop), "cudaEventElapsedTime");
     state.SetIterationTime(double(ms) * 1e-3 / kWarmReplays);
   }
-  check(cudaGetLastError(), "after the timed loop");
-  if (run.verify) {
-    const std::string problem = run.verify();
-    if (!problem.empty()) throw setup_failure{problem};
-  }
-  kvbench::report(state, run.items_per_layer, run.bytes_per_layer);
+  finish(state, run);
 }
 
 /// Runs a benchmark body, turning setup and CUDA failures (and the

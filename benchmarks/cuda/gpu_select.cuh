@@ -9,6 +9,10 @@
 // - cub_radix_sort: cub::DeviceSegmentedRadixSort::SortPairs, a full sort
 //   of every segment's (64-bit key, index) pairs;
 // - cub_segmented_sort: cub::DeviceSegmentedSort::SortPairs of the same.
+// cub_segmented_sort runs eagerly (gpu_bench_common.cuh): above 300-500
+// segments DeviceSegmentedSort copies its partition sizes to the host and
+// waits for them, which a CUDA graph cannot capture; its time includes that
+// wait and 32 layers' launches.
 // Each first builds the 64-bit keys of order.hpp (complemented for top-k)
 // and the indices in one kernel, inside the timing, as the host baselines
 // build their pairs; neither then sorts the k selected by position, which
@@ -173,6 +177,7 @@ inline void cub_full_sort(benchmark::State& state, scenario sc, std::int32_t k, 
     };
     run.items_per_layer = items;
     run.bytes_per_layer = h.bytes(k);
+    run.capturable = m == cub_method::radix_sort;
     time_cold(state, ctx, run);
   });
 }
