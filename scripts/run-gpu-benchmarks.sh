@@ -52,9 +52,12 @@ for i in $(seq 1 "$runs"); do
   if [ "$torch" = 1 ]; then
     # Right after the CUDA run, so the ratios of run i compare neighbours in time.
     out="$build/bench-torch-run$i.json"
+    rm -f "$out"
     python3 scripts/bench_torch.py --out "$out" --reps "$reps" --min-time "$min_time" --filter "${TORCH_FILTER:-.}" ||
-      echo "run-gpu-benchmarks: bench_torch.py failed on some rows (see above); the rest are in $out" >&2
-    [ -f "$out" ] && outs+=("$out")
+      echo "run-gpu-benchmarks: bench_torch.py failed on some rows (see above)" >&2
+    if [ -f "$out" ]; then
+      outs+=("$out")
+    fi
   fi
 done
 python3 scripts/bench_report.py "${outs[@]}" | tee "$build/gpu-report.md"

@@ -127,7 +127,7 @@ struct layer {
   device_array<float> values, lse;
   device_array<kvevict::bfloat16> keys, values_rows, q;
 
-  layer(const scenario& sc) : policy(shape_of(sc), Setup::config(sc.slots - 1)) {}
+  explicit layer(const scenario& sc) : policy(shape_of(sc), Setup::config(sc.slots - 1)) {}
 };
 
 template <class Setup>
