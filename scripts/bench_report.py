@@ -8,7 +8,11 @@ aggregates) into the tables and plots of docs/benchmarks.md.
       --machine "..." --command "..." build-bench/bench-*-run*.json        # update docs/
 
 Benchmark names are family/method/input/scenario/keep/distribution/dtype
-(benchmarks/bench_common.hpp). Files of the same binary are the runs of a
+(benchmarks/bench_common.hpp); the "/manual_time" Google Benchmark appends
+to the CUDA rows (timed by CUDA events) is dropped. GPU runs
+(kvevict_bench_cuda, and scripts/bench_torch.py's JSON for the torch
+baselines) go in the same way; without them the GPU target rows read "not
+measured". Files of the same binary are the runs of a
 family, in the order given. For every row: the median over runs of each
 run's median items/s (and bytes/s), with the lowest and highest run; each
 ratio to a baseline is computed within one run (same binary, same minute,
@@ -41,6 +45,39 @@ TARGETS = [
      ">= 2x std::nth_element"),
 ]
 
+# GPU targets of DESIGN.md section 11, checked when kvevict_bench_cuda (and,
+# for the torch rows, scripts/bench_torch.py) JSON is given; otherwise each
+# reads "not measured". "baselines": templates of the same run's baseline
+# rows; with several, the fastest of them in each run. "max_seconds": a
+# bound on the row's time per layer instead of a ratio.
+GPU_TARGETS = [
+    {"pattern": r"^gpu_decode/h2o/probs/(S1|S2|S4)/evict1/powerlaw/f32$",
+     "label": "gpu_decode/h2o/probs/{S1,S2,S4}/evict1/powerlaw/f32 (>= 2M slots)",
+     "baselines": ["gpu_decode/d2d_copy/probs/{scenario}/evict1/powerlaw/f32"], "field": "bytes", "minimum": 0.85,
+     "wording": ">= 85% of D2D copy bandwidth, cold"},
+    {"pattern": r"^gpu_decode/h2o/probs/S\d/evict1/powerlaw/f32$",
+     "label": "gpu_decode/h2o/probs/S0-S5/evict1/powerlaw/f32",
+     "baselines": ["gpu_decode/torch_compile/probs/{scenario}/evict1/powerlaw/f32"], "minimum": 1.0,
+     "wording": "faster than torch.compile + CUDA graphs, cold"},
+    {"pattern": r"^gpu_decode/h2o/probs/(S0|S3|S5)/evict1/powerlaw/f32$",
+     "label": "gpu_decode/h2o/probs/{S0,S3,S5}/evict1/powerlaw/f32",
+     "baselines": ["gpu_decode/torch_compile/probs/{scenario}/evict1/powerlaw/f32"], "minimum": 2.0,
+     "wording": ">= 2x torch.compile + CUDA graphs, cold"},
+    {"pattern": r"^gpu_decode/h2o/probs/S5/evict1/powerlaw/f32$", "label": "gpu_decode/h2o/probs/S5/evict1/powerlaw/f32",
+     "max_seconds": 2.5e-6, "wording": "<= 2.5 us per layer (graph replay, cold)"},
+    {"pattern": r"^gpu_select/kvevict/(bottom|top)/(S1|S2|S3)/keep(20|50)/powerlaw/f32$",
+     "label": "gpu_select/kvevict/{bottom,top}/{S1,S2,S3}/{keep20,keep50}/powerlaw/f32",
+     "baselines": ["gpu_select/torch_topk/{input}/{scenario}/{keep}/{dist}/f32"], "minimum": 5.0,
+     "wording": ">= 5x torch.topk (unsorted)"},
+    {"pattern": r"^gpu_select/kvevict/(bottom|top)/(S1|S2|S3)/keep(20|50)/powerlaw/f32$",
+     "label": "gpu_select/kvevict/{bottom,top}/{S1,S2,S3}/{keep20,keep50}/powerlaw/f32",
+     "baselines": ["gpu_select/cub_radix_sort/{input}/{scenario}/{keep}/{dist}/f32",
+                   "gpu_select/cub_segmented_sort/{input}/{scenario}/{keep}/{dist}/f32"], "minimum": 5.0,
+     "wording": ">= 5x the faster of the two CUB segmented sorts"},
+]
+
+TIME_UNITS = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}
+
 
 class Row:
     """One benchmark name: its fields and its per-run medians."""
@@ -53,6 +90,7 @@ class Row:
         self.family, self.method, self.input, self.scenario, self.keep, self.dist, self.dtype = parts
         self.items = {}  # run index -> items/s
         self.bytes = {}  # run index -> bytes/s
+        self.time = {}  # run index -> seconds per iteration (per layer for the GPU rows)
 
 
 def load(paths):
@@ -70,10 +108,12 @@ def load(paths):
             for b in run["benchmarks"]:
                 if has_aggregates and b.get("aggregate_name") != "median":
                     continue
-                name = b["run_name"]
+                name = re.sub(r"/(manual_time|real_time)$", "", b["run_name"])
                 row = rows.setdefault(name, Row(name))
                 row.items[i] = b.get("items_per_second", 0.0)
                 row.bytes[i] = b.get("bytes_per_second", 0.0)
+                if "real_time" in b:
+                    row.time[i] = b["real_time"] * TIME_UNITS.get(b.get("time_unit", "ns"), 1e-9)
                 runs[row.family] = max(runs.get(row.family, 0), i + 1)
     return rows, runs, context
 
@@ -134,6 +174,64 @@ def target_checks(rows):
     return checks
 
 
+def best_of(bases, field):
+    """A row whose run i holds the fastest of `bases` in run i (runs all of them have)."""
+    if not bases or any(b is None for b in bases):
+        return None
+    if len(bases) == 1:
+        return bases[0]
+    best = Row(bases[0].name)
+    best.name = "fastest of " + ", ".join(f"`{b.name}`" for b in bases)
+    for i in set.intersection(*(set(getattr(b, field)) for b in bases)):
+        fastest = max(bases, key=lambda b: getattr(b, field)[i])
+        best.items[i], best.bytes[i] = fastest.items[i], fastest.bytes[i]
+    return best if best.items else None
+
+
+def fmt_time(seconds):
+    return f"{seconds * 1e6:.3g} us" if seconds < 1e-3 else f"{seconds * 1e3:.3g} ms"
+
+
+def gpu_target_checks(rows):
+    """Every GPU target row: measured, or "not measured" (no GPU JSON, or no baseline run)."""
+    checks = []
+    for t in GPU_TARGETS:
+        matched = [row for name, row in sorted(rows.items(), key=lambda kv: (scenario_order(kv[1].scenario), kv[0]))
+                   if re.match(t["pattern"], name)]
+        if not matched:
+            checks.append({"row": t["label"], "baseline": ", ".join(t.get("baselines", [])) or "-",
+                           "target": t["wording"], "ratio": None, "met": None, "verdict": "not measured"})
+            continue
+        for row in matched:
+            if "max_seconds" in t:
+                if not row.time:
+                    checks.append({"row": row.name, "baseline": "-", "target": t["wording"], "ratio": None,
+                                   "met": None, "verdict": "not measured"})
+                    continue
+                sp = spread(row.time.values())
+                met = sp["median"] <= t["max_seconds"]
+                checks.append({"row": row.name, "baseline": "-", "target": t["wording"], "ratio": None,
+                               "time": sp, "figure": fmt_time(sp["median"]) +
+                               (f" [{fmt_time(sp['min'])} - {fmt_time(sp['max'])}]" if sp["runs"] > 1 else ""),
+                               "met": met, "verdict": "met" if met else
+                               f"missed: {sp['median'] / t['max_seconds']:.2g}x the bound"})
+                continue
+            names = [b.format(scenario=row.scenario, keep=row.keep, dist=row.dist, input=row.input)
+                     for b in t["baselines"]]
+            field = t.get("field", "items")
+            base = best_of([rows.get(n) for n in names], field)
+            r = ratio(row, base, field)
+            if r is None:
+                checks.append({"row": row.name, "baseline": ", ".join(names), "target": t["wording"], "ratio": None,
+                               "met": None, "verdict": "not measured (baseline not in these runs)"})
+                continue
+            met = r["median"] >= t["minimum"]
+            checks.append({"row": row.name, "baseline": base.name, "target": t["wording"], "minimum": t["minimum"],
+                           "ratio": r, "met": met,
+                           "verdict": "met" if met else f"missed: reaches {r['median'] / t['minimum']:.0%} of the target"})
+    return checks
+
+
 def scenario_order(s):
     m = re.match(r"([SN])(\d+)", s)
     return (m.group(1), int(m.group(2))) if m else (s, 0)
@@ -174,6 +272,48 @@ def select_table(rows):
     return out
 
 
+def gpu_decode_table(rows):
+    """Every gpu_decode row, per layer, with its ratios to the D2D copy, the minimal fused kernel and torch.compile."""
+    out = ["| benchmark | us per layer | steps/s | bytes/s | of D2D copy bytes/s | vs fused_kernel | "
+           "vs torch.compile |", "|---|---|---|---|---|---|---|"]
+    decode = sorted((r for r in rows.values() if r.family == "gpu_decode"),
+                    key=lambda r: (scenario_order(r.scenario), r.name))
+    for row in decode:
+        fused_input = row.input if row.input in ("probs", "head_scores") else "probs"
+        fused_dist = row.dist if fused_input == "probs" and row.dist in ("powerlaw", "uniform", "neartie") else "powerlaw"
+        fused = rows.get(baseline_name(row, "fused_kernel", fused_input, fused_dist))
+        copy = rows.get(baseline_name(row, "d2d_copy", "probs", "powerlaw"))
+        torch = rows.get(baseline_name(row, "torch_compile", "probs", "powerlaw"))
+        time = fmt_time(spread(row.time.values())["median"]) if row.time else "-"
+        out.append(f"| `{row.name}` | {time} | {fmt_speed(spread(row.items.values()))} | "
+                   f"{fmt_speed(spread(row.bytes.values()), 'B/s')} | "
+                   f"{fmt_ratio(ratio(row, copy, 'bytes')) if row is not copy else '1'} | "
+                   f"{fmt_ratio(ratio(row, fused)) if row is not fused else '1'} | "
+                   f"{fmt_ratio(ratio(row, torch)) if row is not torch else '1'} |")
+    return out
+
+
+GPU_SELECT_BASELINES = ("torch_topk", "torch_topk_sorted", "cub_radix_sort", "cub_segmented_sort")
+
+
+def gpu_select_table(rows):
+    out = ["| benchmark | us per layer | keys/s | " + " | ".join(f"vs {m}" for m in GPU_SELECT_BASELINES) + " |",
+           "|---|---|---|" + "---|" * len(GPU_SELECT_BASELINES)]
+    select = sorted((r for r in rows.values() if r.family == "gpu_select" and r.method == "kvevict"),
+                    key=lambda r: (r.input, r.keep, r.dist, scenario_order(r.scenario)))
+    for row in select:
+        cells = [fmt_ratio(ratio(row, rows.get(baseline_name(row, m)))) for m in GPU_SELECT_BASELINES]
+        time = fmt_time(spread(row.time.values())["median"]) if row.time else "-"
+        out.append(f"| `{row.name}` | {time} | {fmt_speed(spread(row.items.values()))} | " + " | ".join(cells) + " |")
+    base = sorted((r for r in rows.values() if r.family == "gpu_select" and r.method != "kvevict"),
+                  key=lambda r: (r.input, r.keep, r.dist, r.method, scenario_order(r.scenario)))
+    if base:
+        out += ["", "Baselines on their own:", "", "| benchmark | us per layer | keys/s |", "|---|---|---|"]
+        out += [f"| `{r.name}` | {fmt_time(spread(r.time.values())['median']) if r.time else '-'} | "
+                f"{fmt_speed(spread(r.items.values()))} |" for r in base]
+    return out
+
+
 # The baseline of each remaining family: (method, input or None for the
 # row's own, dtype or None for the row's own).
 FAMILY_BASELINES = {
@@ -181,6 +321,8 @@ FAMILY_BASELINES = {
     "evict_to": ("plain_nth_element", "moves", "none"),
     "scatter": ("memcpy", None, None),
     "compaction": ("memcpy", "block", None),
+    "gpu_prefill": ("d2d_copy", None, None),
+    "gpu_evict_to": ("d2d_copy", "probs", "f32"),
 }
 FAMILY_TEXT = {
     "prefill": ("Prefill compression (`kvevict_bench_prefill`)",
@@ -193,6 +335,12 @@ FAMILY_TEXT = {
                 "One item = one (sequence, KV head) K and V row written. Baseline: memcpy of the same rows."),
     "compaction": ("Compaction (`kvevict_bench_kv_moves`)",
                    "One item = one kept row pair moved. Baseline: one memcpy of the same bytes."),
+    "gpu_prefill": ("GPU prefill compression (`kvevict_bench_cuda`)",
+                    "Per layer, cold. One item = one (sequence, KV head, prompt token). Baseline: a D2D copy "
+                    "touching the same bytes (column sums read, kept K/V rows read and written)."),
+    "gpu_evict_to": ("GPU multi-token evict_to (`kvevict_bench_cuda`)",
+                     "Per layer, cold. One item = one token freed; the step timed is append chunk + observe + "
+                     "evict_to. Baseline: a D2D copy touching the same bytes (probabilities + 12 bytes a slot)."),
 }
 
 
@@ -211,7 +359,9 @@ def family_table(rows, family):
 def targets_table(checks):
     out = ["| row | target | baseline | ratio (median [min - max] over runs) | met |", "|---|---|---|---|---|"]
     for c in checks:
-        out.append(f"| `{c['row']}` | {c['target']} | `{c['baseline']}` | {fmt_ratio(c['ratio'])} | "
+        figure = c.get("figure") or (fmt_ratio(c["ratio"]) if c["ratio"] else "not measured")
+        baseline = c["baseline"] if c["baseline"].startswith("fastest of") else f"`{c['baseline']}`"
+        out.append(f"| `{c['row']}` | {c['target']} | {baseline} | {figure} | "
                    f"{'**met**' if c['met'] else c['verdict']} |")
     return out
 
@@ -229,6 +379,12 @@ def report(rows, runs, context, args):
               "and highest run in brackets; each ratio is computed within a run, then summarised the same way.", ""]
     checks = target_checks(rows)
     lines += ["### Targets", ""] + (targets_table(checks) if checks else ["No target row was measured in this run."])
+    gpu_checks = gpu_target_checks(rows)
+    lines += ["", "### GPU targets", "",
+              "Per layer, cold (DESIGN.md section 11: 32 layers' steps in one CUDA graph, time = replay / 32). "
+              "Rows read *not measured* when these runs hold no kvevict_bench_cuda (or bench_torch.py) JSON.", ""]
+    lines += targets_table(gpu_checks)
+    checks = checks + gpu_checks
     if any(r.family == "decode" for r in rows.values()):
         lines += ["", "### Decode step (`kvevict_bench_decode`)", "",
                   "One step = one (sequence, KV head): append + observe + evict. bytes/s counts the inputs read "
@@ -242,6 +398,16 @@ def report(rows, runs, context, args):
                   "return the same indices in position order.", ""] + select_table(rows)
         if args.write:
             lines += ["", "![selection throughput vs N](img/host_select.png)"]
+    if any(r.family == "gpu_decode" for r in rows.values()):
+        lines += ["", "### GPU decode step (`kvevict_bench_cuda`)", "",
+                  "One step = one (sequence, KV head) of one layer: append + observe + evict, two launches. bytes/s "
+                  "counts the inputs read plus 12 bytes of state a slot; *of D2D copy bytes/s* is the fraction of "
+                  "the copy bandwidth (read + written) on the same bytes.", ""] + gpu_decode_table(rows)
+    if any(r.family == "gpu_select" for r in rows.values()):
+        lines += ["", "### GPU segmented selection (`kvevict_bench_cuda`)", "",
+                  "keys/s: keys of every segment examined per second (segments x N per call), per layer, cold. "
+                  "Every method counts the same items and bytes, so ratios are ratios of time.", ""]
+        lines += gpu_select_table(rows)
     for family, (title, text) in FAMILY_TEXT.items():
         if any(r.family == family for r in rows.values()):
             lines += ["", f"### {title}", "", text, ""] + family_table(rows, family)

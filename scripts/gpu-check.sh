@@ -3,7 +3,10 @@
 # gpu tests and the CUDA demo for the local GPU's architecture, runs every
 # gpu-labelled test, then the same tests under compute-sanitizer's memcheck,
 # racecheck, synccheck and initcheck, then the CUDA demo, and prints a
-# summary table. Logs go to $GPU_CHECK_LOGS (default build-gpu/logs).
+# summary table. The gpu-labelled tests include the CUDA benchmarks' smoke
+# run (benchmark:smoke:cuda: kvevict_bench_cuda's S5 rows once) when Google
+# Benchmark is found; timed benchmark runs are scripts/run-gpu-benchmarks.sh.
+# Logs go to $GPU_CHECK_LOGS (default build-gpu/logs).
 #
 #   scripts/gpu-check.sh                 # arch from nvidia-smi (e.g. 90 on an H100)
 #   CUDA_ARCH=90 scripts/gpu-check.sh    # or given
@@ -39,8 +42,14 @@ run() {  # run NAME COMMAND...: logs to $logs/NAME.log, records PASS/FAIL
 }
 
 run configure cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DKVEVICT_ENABLE_CUDA=ON \
-  -DKVEVICT_CUDA_ARCHITECTURES="$arch" -DKVEVICT_BUILD_BENCHMARKS=OFF "${prefix[@]}"
+  -DKVEVICT_CUDA_ARCHITECTURES="$arch" -DKVEVICT_BUILD_BENCHMARKS=ON -DKVEVICT_BENCH_CUDA_ARCHITECTURES="$arch" \
+  "${prefix[@]}"
 run build cmake --build "$build" -j"$(nproc)" --target test_cuda_decode test_cuda_exact_greedy test_cuda_select test_cuda_prefill test_cuda_evict_to kvevict_demo_cuda
+if cmake --build "$build" --target help 2>/dev/null | grep -q kvevict_bench_cuda; then
+  run build-bench-cuda cmake --build "$build" -j"$(nproc)" --target kvevict_bench_cuda
+else
+  results+=("$(printf '%-34s SKIP        (Google Benchmark not found: no CUDA benchmark smoke run)' build-bench-cuda)")
+fi
 run gpu-tests ctest --test-dir "$build" -L gpu --output-on-failure
 for tool in memcheck racecheck synccheck initcheck; do
   for t in test_cuda_decode test_cuda_exact_greedy test_cuda_select test_cuda_prefill test_cuda_evict_to; do

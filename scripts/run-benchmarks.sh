@@ -18,6 +18,9 @@
 # Google Benchmark from Debian prints "Library was built as DEBUG. Timings may
 # be affected": that is Debian's build of the library itself (its own
 # timing code), not ours; our benchmarks are built in Release.
+#
+# The CUDA benchmarks (kvevict_bench_cuda) and their PyTorch baselines run on
+# a GPU machine with scripts/run-gpu-benchmarks.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install-deps.sh tests
