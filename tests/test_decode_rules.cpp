@@ -280,13 +280,10 @@ TEST_CASE("decode_pass: the vectorised fold, add and victim search decide as fol
     std::vector<float> next(static_cast<std::size_t>(width));
     REQUIRE(detail::next_scores(score.data(), fast.data(), pos.data(), width, next.data()));
     CHECK(std::memcmp(next.data(), reference.data(), sizeof(float) * std::size_t(width)) == 0);
-    // The one-pass forms: fold and add (probabilities), add a row of increments.
+    // The one-pass form: fold and add.
     std::vector<float> fused(static_cast<std::size_t>(width));
     REQUIRE(detail::fold_and_add_probability_rows([&](std::int32_t j) { return probs.data() + std::size_t(j) * width; },
                                                   g, reduce, score.data(), pos.data(), width, fused.data()));
-    CHECK(std::memcmp(fused.data(), reference.data(), sizeof(float) * std::size_t(width)) == 0);
-    std::fill(fused.begin(), fused.end(), -1.0f);
-    REQUIRE(detail::add_finite_row(fast.data(), score.data(), pos.data(), width, fused.data()));
     CHECK(std::memcmp(fused.data(), reference.data(), sizeof(float) * std::size_t(width)) == 0);
     for (const victim_rule victim : {victim_rule::lowest_score, victim_rule::oldest}) {
       decode_rule rule;
@@ -330,15 +327,14 @@ TEST_CASE("decode_pass: a bad element anywhere in an occupied column fails the r
       CHECK(fold() == (s == 6));  // slot 6 is free: its column is ignored
       CHECK(fold_and_add(zero, 2) == (s == 6));
       CHECK(fold_and_add(zero, 3) == (s == 6));  // the row-by-row path of other group sizes
-      CHECK(detail::add_finite_row(row.data(), zero.data(), pos.data(), width, out.data()) ==
-            (s == 6 || bad == -0.25f));  // increments may be negative
+      CHECK(detail::next_scores(zero.data(), row.data(), pos.data(), width, out.data()) ==
+            (s == 6 || bad == -0.25f));  // increments may be negative: next_scores checks them through the sum
     }
   row.assign(width, 3e38f);  // each element valid, the sum over the two rows is not
   CHECK_FALSE(fold());
   CHECK_FALSE(fold_and_add(zero, 2));
   std::vector<float> big(width, 3e38f), next(width);
   CHECK_FALSE(detail::next_scores(big.data(), big.data(), pos.data(), width, next.data()));
-  CHECK_FALSE(detail::add_finite_row(big.data(), big.data(), pos.data(), width, next.data()));
   // A valid fold (3e38), an overflowing score, in the one-pass and row-by-row paths.
   CHECK(fold_and_add(zero, 1));
   CHECK_FALSE(fold_and_add(big, 1));
@@ -347,5 +343,4 @@ TEST_CASE("decode_pass: a bad element anywhere in an occupied column fails the r
   big[6] = 0.0f;  // only the free slot: ignored
   for (std::int32_t s = 0; s < width; ++s) row[std::size_t(s)] = s == 6 ? 3e38f : 0.0f;
   CHECK(detail::next_scores(big.data(), row.data(), pos.data(), width, next.data()));
-  CHECK(detail::add_finite_row(row.data(), big.data(), pos.data(), width, next.data()));
 }

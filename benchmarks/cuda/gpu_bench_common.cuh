@@ -339,6 +339,17 @@ std::string status_problem(const Policy& policy, const char* call) {
   return std::string(call) + ": status word not clear";
 }
 
+/// The first layer's status problem (each layer has a `policy`), or "": a
+/// cold_run's verify.
+template <class Layers>
+std::string first_status_problem(const Layers& layers, const char* call) {
+  for (const auto& layer : layers) {
+    std::string problem = status_problem(layer.policy, call);
+    if (!problem.empty()) return problem;
+  }
+  return {};
+}
+
 /// main()'s first act: without a device, say so and exit 77 (ctest: skipped).
 inline bool device_present() {
   int devices = 0;

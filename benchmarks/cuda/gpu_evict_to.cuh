@@ -80,13 +80,7 @@ inline void batched(benchmark::State& state, scenario full, keep_fraction keep, 
     }
     cold_run run;
     run.step = [&](int l, cudaStream_t s) { return multi_token_step(p, layers[std::size_t(l)], f, p.chunk, s); };
-    run.verify = [&]() -> std::string {
-      for (const layer& ly : layers) {
-        const std::string problem = status_problem(ly.policy, "gpu evict_to step");
-        if (!problem.empty()) return problem;
-      }
-      return {};
-    };
+    run.verify = [&] { return first_status_problem(layers, "gpu evict_to step"); };
     run.items_per_layer = p.items();
     run.bytes_per_layer = p.bytes();
     time_cold(state, ctx, run);

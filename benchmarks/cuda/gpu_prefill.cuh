@@ -85,13 +85,7 @@ inline void batched_sums(benchmark::State& state, scenario full, keep_fraction k
                                            kvevict::prompt_lengths{ly.lengths.get(), p.sc.slots}, input_of(ly),
                                            ly.cache.view, nullptr, ly.policy.status_device(), s);
     };
-    run.verify = [&]() -> std::string {
-      for (const layer& ly : layers) {
-        const std::string problem = status_problem(ly.policy, "gpu prefill");
-        if (!problem.empty()) return problem;
-      }
-      return {};
-    };
+    run.verify = [&] { return first_status_problem(layers, "gpu prefill"); };
     run.items_per_layer = p.items();
     run.bytes_per_layer = p.bytes();
     time_cold(state, ctx, run);

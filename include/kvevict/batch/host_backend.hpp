@@ -56,7 +56,7 @@ inline bool row_scores(const score_source<batch_probs>& source, std::int32_t b, 
 inline bool row_scores(const score_source<batch_head_scores>& source, std::int32_t b, std::int32_t h,
                        const float* score, const std::int32_t* positions, std::int32_t count, float* next) noexcept {
   if (source.in.scores.strides[2] != 1) return false;
-  return add_finite_row(&source.in.scores(b, h, 0), score, positions, count, next);
+  return next_scores(score, &source.in.scores(b, h, 0), positions, count, next);
 }
 template <class Source>
 bool row_scores(const Source&, std::int32_t, std::int32_t, const float*, const std::int32_t*, std::int32_t,

@@ -120,7 +120,8 @@ bool fold_probability_rows(RowOf rows, std::int32_t g, group_reduce reduce, cons
 
 /// next[s] = score[s] + inc[s] for the occupied s < width (in place: next
 /// may be inc) and score[s] for the free ones; false when an occupied sum
-/// leaves the float range. A free slot's score is +0 (evict and reset clear
+/// leaves the float range, so also when an increment is NaN or infinite
+/// (scores are finite): one pass adds and checks a row of increments. A free slot's score is +0 (evict and reset clear
 /// it) and +0 + +0 is +0, so adding 0 there instead of branching changes no
 /// bit. Every load is unconditional: a load under a condition stops the
 /// vectoriser.
@@ -152,21 +153,6 @@ bool fold_and_add_probability_rows(RowOf rows, std::int32_t g, group_reduce redu
     default:
       return fold_rows_any(rows, g, reduce, positions, width, next) && next_scores(score, next, positions, width, next);
   }
-}
-
-/// next[s] = score[s] + x[s] (next_scores) from one row of increments of any
-/// sign; false when an occupied increment or sum is not finite.
-inline bool add_finite_row(const float* x, const float* score, const std::int32_t* positions, std::int32_t width,
-                           float* next) noexcept {
-  std::uint32_t bad = 0;
-  for (std::int32_t s = 0; s < width; ++s) {
-    const std::uint32_t occupied = positions[s] >= 0;
-    const float inc = x[s];
-    const float v = add(score[s], occupied ? inc : 0.0f);
-    bad |= occupied & (outside_float_range(inc) | outside_float_range(v));
-    next[s] = v;
-  }
-  return bad == 0;
 }
 
 /// score[s] = next[s] for s < width (next from next_scores; may be score),

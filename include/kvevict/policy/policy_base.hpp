@@ -273,8 +273,8 @@ class policy_base {
     detail::require_extents(w, "scores", in.scores, expected, at_least);
     bool valid = in.scores.strides[1] == 1;
     for (std::int32_t h = 0; valid && h < shape_.num_kv_heads; ++h)
-      valid = detail::add_finite_row(&in.scores(h, 0), scores_of(b, h), slots_.positions_of(b, h), expected[1],
-                                     next_of(h));
+      valid = detail::next_scores(scores_of(b, h), &in.scores(h, 0), slots_.positions_of(b, h), expected[1],
+                                  next_of(h));
     if (!valid) {  // strided columns, or a bad element or overflow to name
       const auto wanted = occupied(b);
       for (std::int32_t h = 0; h < shape_.num_kv_heads; ++h)
