@@ -338,7 +338,7 @@ class batched_driver {
         return;
       const view_type v = cache_.view();
       for (std::int32_t b = 0; b < seqs(); ++b)
-        if (length(b) > before.lengths[std::size_t(b)])
+        if (length(b) > before.lengths[std::size_t(b)] && !shares_pages(b))  // shared pages alias (unchecked)
           for (std::int32_t h = 0; h < heads(); ++h) {
             const std::int32_t s = slot_of(b, h, length(b) - 1);
             require(s >= 0, "batched append(rows): the new position is not cached");
