@@ -3,11 +3,13 @@
 #   scripts/install-deps.sh demo   -> compiler and CMake
 #   scripts/install-deps.sh tests  -> plus doctest and Google Benchmark
 #   scripts/install-deps.sh fidelity -> plus pip, venv and unzip (model download, llama.cpp check)
+#   scripts/install-deps.sh fuzz   -> plus clang and its libFuzzer runtime (scripts/run-fuzz.sh)
 set -euo pipefail
 packages=(g++ cmake make)
 case "${1:-tests}" in
   tests) packages+=(doctest-dev libbenchmark-dev) ;;
   fidelity) packages+=(python3-pip python3-venv unzip) ;;
+  fuzz) packages+=(clang libclang-rt-dev) ;;
 esac
 missing=()
 for p in "${packages[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done

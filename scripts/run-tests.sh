@@ -3,6 +3,7 @@
 # the whole test suite through ctest.
 #   KVEVICT_SANITIZE=ON  build and run under AddressSanitizer + UBSan
 #   BUILD_DIR=dir        build directory (default: build)
+#   KVEVICT_FUZZ_SECONDS=n  seconds per fuzz harness afterwards (default 60; 0: none)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install-deps.sh tests
@@ -13,3 +14,10 @@ type=Release
 cmake -S . -B "$build" -DCMAKE_BUILD_TYPE="$type" -DKVEVICT_SANITIZE="$sanitize"
 cmake --build "$build" -j"$(nproc)"
 ctest --test-dir "$build" --output-on-failure -j"$(nproc)"
+# Then each libFuzzer harness for a bounded time (docs/reliability.md,
+# "Fuzzing"). Not in the KVEVICT_SANITIZE=ON rerun: the fuzz build carries
+# its own sanitizers, and one bounded run per CI pass is the budget.
+fuzz_seconds=${KVEVICT_FUZZ_SECONDS:-60}
+if [ "$sanitize" != ON ] && [ "$fuzz_seconds" -gt 0 ]; then
+  bash scripts/run-fuzz.sh "$fuzz_seconds"
+fi
