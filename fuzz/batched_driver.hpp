@@ -42,7 +42,6 @@
 #include "support/fuzz_tensors.hpp"
 #include "support/guarded_call.hpp"
 #include "support/h2o_shadow.hpp"
-#include "support/known_defects.hpp"
 #include "support/slot_invariants.hpp"
 #include "support/state_snapshot.hpp"
 
@@ -399,14 +398,6 @@ class batched_driver {
     std::vector<std::int32_t> victims(std::size_t(seqs()) * heads(), -7);
     const bool with_victims = !in_.one_in(3);
     std::int32_t* victims_out = with_victims ? victims.data() : nullptr;
-    // known defect (1): a head holding more slots than the input is wide
-    const auto wider_than = [&](std::int32_t extent) {
-      if (!skips().batched_observe_wide_heads) return false;
-      for (std::int32_t b = 0; b < seqs(); ++b)
-        for (std::int32_t h = 0; h < heads(); ++h)
-          if (count(b, h) > extent) return true;
-      return false;
-    };
     const auto run = [&](const char* what, auto do_call, auto increment) {
       if (!call(what, before, false, true, [&](std::uint64_t& s) {
             do_call();
@@ -440,7 +431,6 @@ class batched_driver {
     if (kind == 0) {
       const auto probs = make_tensor<float, 3>(in_, {seqs(), hq, width}, {false, false, true},
                                                value_kind::probability, bad, poison);
-      if (wider_than(probs.view.extents[2])) return;
       const kvevict::batch_probs input{probs.view};
       run("observe_evict(probs)", [&] { policy_->observe_evict(input, active.set, victims_out); },
           [&](std::int32_t b, std::int32_t h, std::int32_t s) {
@@ -449,7 +439,6 @@ class batched_driver {
     } else if (kind == 1) {
       const auto sc = make_tensor<float, 3>(in_, {seqs(), heads(), width}, {false, false, true},
                                             value_kind::signed_score, bad, poison);
-      if (wider_than(sc.view.extents[2])) return;
       const kvevict::batch_head_scores input{sc.view};
       run("observe_evict(head_scores)", [&] { policy_->observe_evict(input, active.set, victims_out); },
           [&](std::int32_t b, std::int32_t h, std::int32_t s) { return sc.view(b, h, s); });
@@ -457,7 +446,6 @@ class batched_driver {
       const auto logits = make_tensor<float, 3>(in_, {seqs(), hq, width}, {false, false, true}, value_kind::logit,
                                                 bad, poison);
       const auto lse = make_tensor<float, 2>(in_, {seqs(), hq}, {false, false}, value_kind::logit, bad, poison * 3);
-      if (wider_than(logits.view.extents[2])) return;
       const kvevict::batch_logits input{logits.view, lse.view, valid ? 1.0f : scale_value(),
                                         valid ? kvevict::lse_base::natural : base_value()};
       run("observe_evict(logits)", [&] { policy_->observe_evict(input, active.set, victims_out); },
@@ -637,7 +625,6 @@ class batched_driver {
       if (ok) after_prefill(before, lengths, moved, total);
       return;
     } else {
-      if (skips().batched_scoreless_prefill) return;  // known defect (2)
       ok = call("prefill(no scores)", before, true, false, [&](std::uint64_t& s) {
              kvevict::batched_prefill(st(), active.set, prompts, view, reclaim_out, &s);
            }).has_value();

@@ -34,7 +34,6 @@
 #include "support/fuzz_tensors.hpp"
 #include "support/guarded_call.hpp"
 #include "support/h2o_shadow.hpp"
-#include "support/known_defects.hpp"
 #include "support/policy_configs.hpp"
 #include "support/slot_invariants.hpp"
 
@@ -53,8 +52,7 @@ class sequence_driver {
 
  public:
   sequence_driver(fuzz_input& in, Policy policy, kvevict::kv_cache<T, Layout> cache)
-      : in_(in), policy_(std::move(policy)), cache_(std::move(cache)), pristine_(cache_.page_table()),
-        evicted_since_observe_(std::size_t(policy_.shape().num_seqs), 0) {
+      : in_(in), policy_(std::move(policy)), cache_(std::move(cache)), pristine_(cache_.page_table()) {
     const auto& sh = policy_.shape();
     if constexpr (is_h2o)
       shadow_.emplace(sh.num_seqs, sh.num_kv_heads, sh.group_size(), policy_.config().recent, policy_.budget(),
@@ -283,7 +281,6 @@ class sequence_driver {
             shadow_->add(b, h, p, shadow_->fold(vals.data()), what);
           }
       }
-      evicted_since_observe_[std::size_t(b)] = 0;
       check_all(what);
     };
     if (greedy || kind == 3) {
@@ -324,7 +321,6 @@ class sequence_driver {
                 if (p >= 0) shadow_->add(b, h, p, sc.view(h, s), "observe(head_scores)");
               }
           }
-          evicted_since_observe_[std::size_t(b)] = 0;
           check_all("observe(head_scores)");
         }
       } else {
@@ -345,7 +341,6 @@ class sequence_driver {
     if constexpr (!greedy) {
       const std::int32_t b = pick_seq();
       if (call("skip_observe", [&] { policy_.skip_observe(b); })) {
-        evicted_since_observe_[std::size_t(b)] = 0;
         check_all("skip_observe");
       }
     }
@@ -353,9 +348,6 @@ class sequence_driver {
 
   void evict() {
     const std::int32_t b = pick_seq();
-    if (valid_seq(b) && skips().repeated_evict && evicted_since_observe_[std::size_t(b)] &&
-        policy_.slots().count(b, 0) > policy_.budget())
-      return;  // known defect (3): see known_defects.hpp
     std::vector<std::int32_t> victims(std::size_t(heads()), -7);
     const bool with_victims = !in_.one_in(3);
     const std::vector<std::int32_t> before = valid_seq(b) ? positions_of(b) : std::vector<std::int32_t>{};
@@ -377,7 +369,6 @@ class sequence_driver {
       if constexpr (is_h2o)
         for (std::int32_t h = 0; h < heads(); ++h)
           require(shadow_->evict_one(b, h), "evict: the library evicted where the brute force has no victim");
-      if (freed) evicted_since_observe_[std::size_t(b)] = 1;
       check_all("evict");
     }
   }
@@ -454,7 +445,6 @@ class sequence_driver {
     }
     if (ok) {
       if constexpr (is_h2o) shadow_->reset(b);
-      evicted_since_observe_[std::size_t(b)] = 0;
       check_all("reset");
     }
   }
@@ -558,7 +548,6 @@ class sequence_driver {
       if (scores) shadow_->prefill(b, length, *scores);
       else finding("prefill: h2o accepted a prefill the harness has no scores for");
     }
-    evicted_since_observe_[std::size_t(b)] = 0;
     check_all("prefill");
   }
 
@@ -606,18 +595,14 @@ class sequence_driver {
   void decode_step() {
     const std::int32_t b = in_.range(0, shape().num_seqs - 1);
     if (policy_.length(b) >= max_sequence_length) return;
-    bool ok = true;
     if (policy_.awaiting_observe(b)) {
       if constexpr (greedy) return;
-      else ok = call("skip_observe", [&] { policy_.skip_observe(b); });
-      if (ok) evicted_since_observe_[std::size_t(b)] = 0;
+      else call("skip_observe", [&] { policy_.skip_observe(b); });
     }
     if (policy_.next_slot(b, 0) < 0) {
-      if (evicted_since_observe_[std::size_t(b)]) return;
       if (!call("evict", [&] { policy_.evict(b); })) return;
       if constexpr (is_h2o)
         for (std::int32_t h = 0; h < heads(); ++h) shadow_->evict_one(b, h);
-      evicted_since_observe_[std::size_t(b)] = 1;
       check_all("evict");
       for (std::int32_t h = 0; h < heads(); ++h)
         if (policy_.next_slot(b, h) < 0) return;
@@ -635,15 +620,10 @@ class sequence_driver {
   }
 
   void evict_seq(std::int32_t b) {
-    if (skips().repeated_evict && evicted_since_observe_[std::size_t(b)] &&
-        policy_.slots().count(b, 0) > policy_.budget())
-      return;
-    const std::int32_t count_before = policy_.slots().count(b, 0);
     if (call("evict", [&] { policy_.evict(b); })) {
       if constexpr (is_h2o)
         for (std::int32_t h = 0; h < heads(); ++h)
           require(shadow_->evict_one(b, h), "evict: the library evicted where the brute force has no victim");
-      if (count_before > policy_.budget()) evicted_since_observe_[std::size_t(b)] = 1;
       check_all("evict");
     }
   }
@@ -653,7 +633,6 @@ class sequence_driver {
   kvevict::kv_cache<T, Layout> cache_;
   std::vector<std::int32_t> pristine_;
   std::optional<h2o_shadow> shadow_;
-  std::vector<std::uint8_t> evicted_since_observe_;  // [B]: known defect (3)'s pattern, see known_defects.hpp
 };
 
 }  // namespace kvfuzz

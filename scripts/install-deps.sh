@@ -4,10 +4,12 @@
 #   scripts/install-deps.sh tests  -> plus doctest and Google Benchmark
 #   scripts/install-deps.sh fidelity -> plus pip, venv and unzip (model download, llama.cpp check)
 #   scripts/install-deps.sh fuzz   -> plus clang and its libFuzzer runtime (scripts/run-fuzz.sh)
+#   scripts/install-deps.sh bench  -> the tests' set plus matplotlib (the report's plots)
 set -euo pipefail
 packages=(g++ cmake make)
 case "${1:-tests}" in
   tests) packages+=(doctest-dev libbenchmark-dev) ;;
+  bench) packages+=(doctest-dev libbenchmark-dev python3 python3-matplotlib) ;;
   fidelity) packages+=(python3-pip python3-venv unzip) ;;
   fuzz) packages+=(clang libclang-rt-dev) ;;
 esac

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Builds the Google Benchmark binaries (one per family: kvevict_bench_decode,
-# kvevict_bench_select, ...) in Release, installing the compiler, CMake and
-# Google Benchmark if missing, runs each one RUNS times (default 3), and
-# turns the JSON into docs/benchmarks.md's tables and plots with
+# kvevict_bench_select, ...) in Release, installing the compiler, CMake,
+# Google Benchmark and matplotlib if missing, runs each one RUNS times
+# (default 3), and turns the JSON into docs/benchmarks.md's tables and plots with
 # scripts/bench_report.py. Every benchmark runs its baseline in the same
 # binary; each run reports the median of REPS repetitions (default 5) of at
 # least MIN_TIME seconds each (default 0.3).
@@ -23,7 +23,7 @@
 # a GPU machine with scripts/run-gpu-benchmarks.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/install-deps.sh tests
+bash scripts/install-deps.sh bench
 build=${BUILD_DIR:-build-bench}
 runs=${RUNS:-3}
 reps=${REPS:-5}
@@ -41,12 +41,15 @@ for family in "${families[@]}"; do
     outs+=("$out")
   done
 done
-if command -v python3 >/dev/null; then
-  write=()
-  if [ "${WRITE:-0}" = 1 ]; then
-    quoted=$(printf ' %q' "$@")
-    write=(--write --date "$(date +%F)" --machine "${MACHINE:-}"
-           --command "RUNS=$runs REPS=$reps MIN_TIME=$min_time scripts/run-benchmarks.sh$quoted")
-  fi
-  python3 scripts/bench_report.py "${write[@]}" "${outs[@]}"
+# The report. install-deps.sh bench installs Debian's matplotlib, which
+# serves the system interpreter: use it where the python3 on PATH (a
+# virtualenv, pyenv) has none.
+py=python3
+"$py" -c 'import matplotlib' 2>/dev/null || py=/usr/bin/python3
+write=()
+if [ "${WRITE:-0}" = 1 ]; then
+  quoted=$(printf ' %q' "$@")
+  write=(--write --date "$(date +%F)" --machine "${MACHINE:-}"
+         --command "RUNS=$runs REPS=$reps MIN_TIME=$min_time scripts/run-benchmarks.sh$quoted")
 fi
+"$py" scripts/bench_report.py "${write[@]}" "${outs[@]}"

@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # Builds the libFuzzer harnesses with clang++ (AddressSanitizer +
-# UndefinedBehaviorSanitizer) and runs each for SECONDS (default 60) on one
-# core, starting from the committed seed corpus (fuzz/corpus/<harness>/).
-# Fails on any finding: a crash, a sanitizer report, a broken invariant, a
-# leak, a timeout or running out of memory. See docs/reliability.md, "Fuzzing".
+# UndefinedBehaviorSanitizer), replays the inputs of the defects they found
+# (fuzz/regressions/<harness>/), then runs each harness for SECONDS (default
+# 60), side by side on one core each, starting from the committed seed
+# corpus (fuzz/corpus/<harness>/). Fails on any finding: a crash, a
+# sanitizer report, a broken invariant, a leak, a timeout or running out of
+# memory. See docs/reliability.md, "Fuzzing".
 #   scripts/run-fuzz.sh [SECONDS]
 #   FUZZ_BUILD_DIR=dir    binaries, working corpus and findings (default: build-fuzz)
 #   FUZZ_HARNESSES="a b"  which harnesses to run (default: fuzz_policy_api fuzz_gguf)
 #   FUZZ_CXX=clang++-14   the compiler (default: clang++)
-# The KVEVICT_FUZZ_SKIP_* variables of fuzz/support/known_defects.hpp pass
-# through to the harness; CI sets none of them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 seconds=${1:-60}
@@ -38,20 +38,41 @@ for h in "${harnesses[@]}"; do
   "$cxx" "${flags[@]}" "${objs[@]}" -o "$out/$h"
 done
 
-# Each harness: new inputs go to a working corpus under $out, never to the
-# committed seeds; findings to $out/findings/. libFuzzer exits non-zero on
-# any of them (-error_exitcode / -timeout_exitcode default to 77 / 70).
+# The defects found so far stay fixed: each saved input runs once.
 status=0
 for h in "${harnesses[@]}"; do
-  corpus="$out/corpus/$h"
+  for input in fuzz/regressions/"$h"/*; do
+    [ -f "$input" ] || continue
+    if ! "$out/$h" "$input" >"$out/replay.log" 2>&1; then
+      tail -n 40 "$out/replay.log"
+      echo "!! $h: the regression input $input fails again"
+      status=1
+    fi
+  done
+done
+[ "$status" -eq 0 ] && echo "== regression inputs replayed: clean"
+
+# Each harness, in the background: new inputs go to a working corpus under
+# $out, never to the committed seeds; findings to $out/findings/. libFuzzer
+# exits non-zero on any of them (-error_exitcode / -timeout_exitcode default
+# to 77 / 70).
+fuzz() {
+  local h=$1 corpus="$out/corpus/$1"
   mkdir -p "$corpus" "$out/findings"
-  echo "== $h for ${seconds}s"
-  set +e
   ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
     "$out/$h" -max_total_time="$seconds" -timeout=20 -rss_limit_mb=2560 -max_len=4096 -print_final_stats=1 \
     -artifact_prefix="$out/findings/$h-" "$corpus" "fuzz/corpus/$h" >"$out/$h.log" 2>&1
-  rc=$?
-  set -e
+}
+echo "== ${harnesses[*]} for ${seconds}s each"
+declare -A running=()
+for h in "${harnesses[@]}"; do
+  fuzz "$h" &
+  running[$h]=$!
+done
+for h in "${harnesses[@]}"; do
+  rc=0
+  wait "${running[$h]}" || rc=$?
+  echo "-- $h"
   grep -E '^#[0-9]+.*DONE|^stat::(number_of_executed_units|peak_rss_mb|new_units_added)' "$out/$h.log" || true
   if [ "$rc" -ne 0 ]; then
     tail -n 40 "$out/$h.log"

@@ -4,11 +4,11 @@
 // just before); any other exception is a finding. Returns whether the call
 // succeeded.
 #include <cstdio>
+#include <cstdlib>
 #include <exception>
 #include <string>
 
 #include "finding.hpp"
-#include "known_defects.hpp"
 #include "kvevict/error.hpp"
 #include "state_snapshot.hpp"
 
@@ -17,7 +17,10 @@ namespace kvfuzz {
 /// KVEVICT_FUZZ_TRACE=1 prints every call and its outcome: how a saved
 /// input is turned into a written-out repro.
 inline bool tracing() {
-  static const bool on = env_flag("KVEVICT_FUZZ_TRACE");
+  static const bool on = [] {
+    const char* v = std::getenv("KVEVICT_FUZZ_TRACE");
+    return v != nullptr && v[0] != '\0' && std::string(v) != "0";
+  }();
   return on;
 }
 
