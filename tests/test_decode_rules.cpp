@@ -263,28 +263,27 @@ TEST_CASE("decode_pass: the vectorised fold, add and victim search decide as fol
     for (std::int32_t j = 0; j < g; ++j)
       for (std::int32_t s = 0; s < width; ++s)
         probs[std::size_t(j) * width + s] = pos[std::size_t(s)] < 0 ? std::nanf("") : float(rng() % 4) / 4.0f;
-    std::vector<float> fast(static_cast<std::size_t>(width));
-    REQUIRE(detail::fold_probability_rows([&](std::int32_t j) { return probs.data() + std::size_t(j) * width; }, g,
-                                          reduce, pos.data(), width, fast.data()));
     std::vector<float> score(std::size_t(width), 0.0f), reference(std::size_t(width), 0.0f);
+    std::vector<float> incs(static_cast<std::size_t>(width), 0.0f);
     for (std::int32_t s = 0; s < width; ++s) {
       if (pos[std::size_t(s)] < 0) continue;
       const slot_increment inc =
           fold_group(0, g, reduce, true, [&](std::int32_t q) { return probs[std::size_t(q) * width + s]; });
       REQUIRE(inc.code == batch_code::ok);
-      CHECK(std::memcmp(&inc.value, &fast[std::size_t(s)], sizeof(float)) == 0);
+      incs[std::size_t(s)] = inc.value;
       // Scores of any sign, signed zeros included; free slots hold +0.
       score[std::size_t(s)] = specials[rng() % 6] * (rng() % 2 ? 1.0f : -1.0f);
       reference[std::size_t(s)] = score[std::size_t(s)] + inc.value;
     }
+    // One pass: fold and add (g = 1, 2, 4, 8 in one pass, the others row by row).
     std::vector<float> next(static_cast<std::size_t>(width));
-    REQUIRE(detail::next_scores(score.data(), fast.data(), pos.data(), width, next.data()));
-    CHECK(std::memcmp(next.data(), reference.data(), sizeof(float) * std::size_t(width)) == 0);
-    // The one-pass form: fold and add.
-    std::vector<float> fused(static_cast<std::size_t>(width));
     REQUIRE(detail::fold_and_add_probability_rows([&](std::int32_t j) { return probs.data() + std::size_t(j) * width; },
-                                                  g, reduce, score.data(), pos.data(), width, fused.data()));
-    CHECK(std::memcmp(fused.data(), reference.data(), sizeof(float) * std::size_t(width)) == 0);
+                                                  g, reduce, score.data(), pos.data(), width, next.data()));
+    CHECK(std::memcmp(next.data(), reference.data(), sizeof(float) * std::size_t(width)) == 0);
+    // A row of increments (the head_scores path).
+    std::vector<float> added(static_cast<std::size_t>(width));
+    REQUIRE(detail::next_scores(score.data(), incs.data(), pos.data(), width, added.data()));
+    CHECK(std::memcmp(added.data(), reference.data(), sizeof(float) * std::size_t(width)) == 0);
     for (const victim_rule victim : {victim_rule::lowest_score, victim_rule::oldest}) {
       decode_rule rule;
       rule.victim = victim;
@@ -309,30 +308,24 @@ TEST_CASE("decode_pass: a bad element anywhere in an occupied column fails the r
   for (std::int32_t s = 0; s < width; ++s) pos[std::size_t(s)] = s == 6 ? -1 : s;
   std::vector<float> row(width, 0.5f), out(width);
   const std::vector<float> zero(width, 0.0f);
-  const auto fold = [&] {
-    return detail::fold_probability_rows([&](std::int32_t) { return row.data(); }, 2, group_reduce::sum, pos.data(),
-                                         width, out.data());
-  };
   const auto fold_and_add = [&](const std::vector<float>& score, std::int32_t g,
                                 group_reduce reduce = group_reduce::sum) {
     return detail::fold_and_add_probability_rows([&](std::int32_t) { return row.data(); }, g, reduce, score.data(),
                                                  pos.data(), width, out.data());
   };
-  CHECK(fold());
   CHECK(fold_and_add(zero, 2));
   for (const float bad : {std::nanf(""), std::numeric_limits<float>::infinity(), -0.25f})
     for (std::int32_t s = 0; s < width; ++s) {
       row.assign(width, 0.5f);
       row[std::size_t(s)] = bad;
-      CHECK(fold() == (s == 6));  // slot 6 is free: its column is ignored
-      CHECK(fold_and_add(zero, 2) == (s == 6));
+      CHECK(fold_and_add(zero, 2) == (s == 6));  // slot 6 is free: its column is ignored
       CHECK(fold_and_add(zero, 3) == (s == 6));  // the row-by-row path of other group sizes
       CHECK(detail::next_scores(zero.data(), row.data(), pos.data(), width, out.data()) ==
             (s == 6 || bad == -0.25f));  // increments may be negative: next_scores checks them through the sum
     }
   row.assign(width, 3e38f);  // each element valid, the sum over the two rows is not
-  CHECK_FALSE(fold());
   CHECK_FALSE(fold_and_add(zero, 2));
+  CHECK_FALSE(fold_and_add(zero, 3));
   std::vector<float> big(width, 3e38f), next(width);
   CHECK_FALSE(detail::next_scores(big.data(), big.data(), pos.data(), width, next.data()));
   // A valid fold (3e38), an overflowing score, in the one-pass and row-by-row paths.

@@ -32,12 +32,12 @@ inline std::uint32_t outside_float_range(float v) noexcept {
   return std::uint32_t(!(v >= -kMax) | (v > kMax));
 }
 
-/// fold_rows_fixed for a reduction known at compile time: one pass, the G
-/// rows read side by side, no branch in the loop. AddScore: out[s] =
-/// score[s] + the fold, as next_scores adds it, in the same pass.
-template <std::int32_t G, group_reduce Reduce, bool AddScore, class RowOf>
-bool fold_rows_pass(RowOf rows, const std::int32_t* positions, std::int32_t width, const float* score,
-                    float* out) noexcept {
+/// fold_and_add_probability_rows for a group size and reduction known at
+/// compile time: one pass, the G rows read side by side, no branch in the
+/// loop; out[s] = score[s] + the fold, as next_scores adds it.
+template <std::int32_t G, group_reduce Reduce, class RowOf>
+bool fold_and_add_pass(RowOf rows, const float* score, const std::int32_t* positions, std::int32_t width,
+                       float* out) noexcept {
   constexpr float kMax = std::numeric_limits<float>::max();
   const float* x[G];
   for (std::int32_t j = 0; j < G; ++j) x[j] = rows(j);
@@ -55,30 +55,28 @@ bool fold_rows_pass(RowOf rows, const std::int32_t* positions, std::int32_t widt
     // Finite elements can sum past FLT_MAX (reduce_groups names the group).
     if constexpr (Reduce != group_reduce::max) wrong |= std::uint32_t(acc > kMax);
     const std::uint32_t occupied = positions[s] >= 0;
-    float v = acc;
-    if constexpr (AddScore) {
-      v = add(score[s], occupied ? acc : 0.0f);  // next_scores' rule
-      wrong |= outside_float_range(v);
-    }
-    bad |= occupied & wrong;
+    const float v = add(score[s], occupied ? acc : 0.0f);  // next_scores' rule
+    bad |= occupied & (wrong | outside_float_range(v));
     out[s] = v;
   }
   return bad == 0;
 }
 
-/// fold_probability_rows (AddScore: fold_and_add_probability_rows) for a
-/// group size known at compile time.
-template <std::int32_t G, bool AddScore, class RowOf>
-bool fold_rows_fixed(RowOf rows, group_reduce reduce, const std::int32_t* positions, std::int32_t width,
-                     const float* score, float* out) noexcept {
+template <std::int32_t G, class RowOf>
+bool fold_and_add_fixed(RowOf rows, group_reduce reduce, const float* score, const std::int32_t* positions,
+                        std::int32_t width, float* out) noexcept {
   switch (reduce) {
-    case group_reduce::max: return fold_rows_pass<G, group_reduce::max, AddScore>(rows, positions, width, score, out);
-    case group_reduce::mean: return fold_rows_pass<G, group_reduce::mean, AddScore>(rows, positions, width, score, out);
-    default: return fold_rows_pass<G, group_reduce::sum, AddScore>(rows, positions, width, score, out);
+    case group_reduce::max: return fold_and_add_pass<G, group_reduce::max>(rows, score, positions, width, out);
+    case group_reduce::mean: return fold_and_add_pass<G, group_reduce::mean>(rows, score, positions, width, out);
+    default: return fold_and_add_pass<G, group_reduce::sum>(rows, score, positions, width, out);
   }
 }
 
-/// The fold of fold_probability_rows for any group size, row by row.
+/// out[s] = reduce over the g rows rows(j) (unit stride) of rows(j)[s], for
+/// s < width, folded in ascending j exactly as fold_group folds (sum starts
+/// from 0 + x, max from 0, mean divides the sum by g), row by row for any g.
+/// False when an occupied column holds a value that is not a probability
+/// (NaN, inf, negative) or its fold overflows.
 template <class RowOf>
 bool fold_rows_any(RowOf rows, std::int32_t g, group_reduce reduce, const std::int32_t* positions,
                    std::int32_t width, float* out) noexcept {
@@ -98,24 +96,6 @@ bool fold_rows_any(RowOf rows, std::int32_t g, group_reduce reduce, const std::i
   }
   for (std::int32_t s = 0; s < width; ++s) bad |= std::uint32_t(positions[s] >= 0) & std::uint32_t(out[s] > kMax);
   return bad == 0;
-}
-
-/// out[s] = reduce over the g rows rows(j) (unit stride) of rows(j)[s], for
-/// s < width, folded in ascending j exactly as fold_group folds (sum starts
-/// from 0 + x, max from 0, mean divides the sum by g). Returns false when an
-/// occupied column holds a value that is not a probability (NaN, inf,
-/// negative) or its fold overflows; out is then garbage and the caller
-/// reports the element.
-template <class RowOf>
-bool fold_probability_rows(RowOf rows, std::int32_t g, group_reduce reduce, const std::int32_t* positions,
-                           std::int32_t width, float* out) noexcept {
-  switch (g) {  // the usual GQA groups in one pass
-    case 1: return fold_rows_fixed<1, false>(rows, reduce, positions, width, nullptr, out);
-    case 2: return fold_rows_fixed<2, false>(rows, reduce, positions, width, nullptr, out);
-    case 4: return fold_rows_fixed<4, false>(rows, reduce, positions, width, nullptr, out);
-    case 8: return fold_rows_fixed<8, false>(rows, reduce, positions, width, nullptr, out);
-    default: return fold_rows_any(rows, g, reduce, positions, width, out);
-  }
 }
 
 /// next[s] = score[s] + inc[s] for the occupied s < width (in place: next
@@ -138,18 +118,20 @@ inline bool next_scores(const float* score, const float* inc, const std::int32_t
   return bad == 0;
 }
 
-/// fold_probability_rows and next_scores in one pass where the group size
-/// allows: next[s] = score[s] + the fold of column s. False on a bad value
-/// or a score leaving the float range; next is then garbage and the caller's
-/// scalar path names the element.
+/// next[s] = score[s] + the fold over the g rows rows(j) (unit stride) of
+/// column s (fold_group's order), with next_scores' rule for free slots, in
+/// one pass for the usual GQA groups. False when an occupied column holds a
+/// value that is not a probability, its fold overflows or its score would
+/// leave the float range; next is then garbage and the caller's scalar path
+/// names the element.
 template <class RowOf>
 bool fold_and_add_probability_rows(RowOf rows, std::int32_t g, group_reduce reduce, const float* score,
                                    const std::int32_t* positions, std::int32_t width, float* next) noexcept {
   switch (g) {
-    case 1: return fold_rows_fixed<1, true>(rows, reduce, positions, width, score, next);
-    case 2: return fold_rows_fixed<2, true>(rows, reduce, positions, width, score, next);
-    case 4: return fold_rows_fixed<4, true>(rows, reduce, positions, width, score, next);
-    case 8: return fold_rows_fixed<8, true>(rows, reduce, positions, width, score, next);
+    case 1: return fold_and_add_fixed<1>(rows, reduce, score, positions, width, next);
+    case 2: return fold_and_add_fixed<2>(rows, reduce, score, positions, width, next);
+    case 4: return fold_and_add_fixed<4>(rows, reduce, score, positions, width, next);
+    case 8: return fold_and_add_fixed<8>(rows, reduce, score, positions, width, next);
     default:
       return fold_rows_any(rows, g, reduce, positions, width, next) && next_scores(score, next, positions, width, next);
   }
