@@ -22,7 +22,7 @@
 
 namespace kvbench {
 
-/// One scenario of DESIGN.md section 10: B sequences x KV heads (each with
+/// One scenario of docs/benchmarks.md: B sequences x KV heads (each with
 /// `group` query heads) x N slots, bf16 K/V of head_dim.
 struct scenario {
   const char* name;
@@ -73,7 +73,7 @@ inline scenario cache_slice(scenario sc, std::size_t element_bytes) {
   return sc;
 }
 
-/// Shapes of a decode step (DESIGN.md section 10): every slot occupied,
+/// Shapes of a decode step (docs/benchmarks.md): every slot occupied,
 /// recent window 64, 4 sinks for the policies that have sinks.
 constexpr std::int32_t kRecent = 64;
 constexpr std::int32_t kSinks = 4;

@@ -95,7 +95,7 @@ struct per_sequence_input {
   }
 };
 
-// ---- the policies under test, each with DESIGN.md's decode shape ----
+// ---- the policies under test, each with the decode shape of docs/benchmarks.md ----
 
 struct h2o_setup {
   using policy = h2o_policy;

@@ -195,17 +195,6 @@ class batched_driver {
     return a;
   }
 
-  float scale_value() {
-    if (in_.one_in(24)) {
-      const float bad[] = {0.0f, -1.0f, std::nanf(""), INFINITY};
-      return bad[in_.range(0, 3)];
-    }
-    return in_.one_in(2) ? 1.0f : 0.25f;
-  }
-  kvevict::lse_base base_value() {
-    if (in_.one_in(24)) return static_cast<kvevict::lse_base>(in_.range(2, 255));
-    return in_.one_in(2) ? kvevict::lse_base::base2 : kvevict::lse_base::natural;
-  }
 
   // ---- checks after a call that did not throw ----
 
@@ -446,8 +435,8 @@ class batched_driver {
       const auto logits = make_tensor<float, 3>(in_, {seqs(), hq, width}, {false, false, true}, value_kind::logit,
                                                 bad, poison);
       const auto lse = make_tensor<float, 2>(in_, {seqs(), hq}, {false, false}, value_kind::logit, bad, poison * 3);
-      const kvevict::batch_logits input{logits.view, lse.view, valid ? 1.0f : scale_value(),
-                                        valid ? kvevict::lse_base::natural : base_value()};
+      const kvevict::batch_logits input{logits.view, lse.view, valid ? 1.0f : scale_value(in_),
+                                        valid ? kvevict::lse_base::natural : base_value(in_)};
       run("observe_evict(logits)", [&] { policy_->observe_evict(input, active.set, victims_out); },
           [&](std::int32_t b, std::int32_t h, std::int32_t s) {
             return folded(h, [&](std::int32_t q) {
@@ -458,8 +447,8 @@ class batched_driver {
       const auto q = make_tensor<T, 3>(in_, {seqs(), hq, head_dim()}, {false, false, false}, value_kind::query, bad,
                                        poison * 3);
       const auto lse = make_tensor<float, 2>(in_, {seqs(), hq}, {false, false}, value_kind::logit, bad, poison * 3);
-      const kvevict::batch_queries<T> input{q.view, lse.view, valid ? 1.0f : scale_value(),
-                                            valid ? kvevict::lse_base::natural : base_value()};
+      const kvevict::batch_queries<T> input{q.view, lse.view, valid ? 1.0f : scale_value(in_),
+                                            valid ? kvevict::lse_base::natural : base_value(in_)};
       const view_type view = valid ? cache_.view() : pick_view(in_, cache_);
       run("observe_evict(queries)", [&] { policy_->observe_evict(input, view, active.set, victims_out); },
           [&](std::int32_t b, std::int32_t h, std::int32_t s) {
@@ -501,7 +490,7 @@ class batched_driver {
     const auto q = make_tensor<T, 3>(in_, {seqs(), st().num_q_heads, std::max(qd, 1)}, {false, false, false},
                                      value_kind::query, 24, 24);
     const auto lse = make_tensor<float, 2>(in_, {seqs(), st().num_q_heads}, {false, false}, value_kind::logit, 24, 24);
-    const kvevict::batch_queries<T> input{q.view, lse.view, scale_value(), base_value()};
+    const kvevict::batch_queries<T> input{q.view, lse.view, scale_value(in_), base_value(in_)};
     if (!call("evict_to", before, false, false, [&](std::uint64_t& s) {
           if (queries && with_cache) kvevict::batched_evict_to(st(), active.set, target, input, view, freed_out, &s);
           else if (queries) kvevict::batched_evict_to(st(), active.set, target, input, moves_out, counts_out, &s);
@@ -609,7 +598,7 @@ class batched_driver {
       const auto q = make_tensor<T, 4>(in_, {seqs(), hq, me, head_dim()}, {false, false, true, false},
                                        value_kind::query, 24, 64);
       const auto lse = make_tensor<float, 3>(in_, {seqs(), hq, me}, {false, false, true}, value_kind::logit, 24, 64);
-      const kvevict::batch_prefill_queries<T> input{q.view, lse.view, scale_value(), base_value()};
+      const kvevict::batch_prefill_queries<T> input{q.view, lse.view, scale_value(in_), base_value(in_)};
       ok = call("prefill(queries)", before, true, false, [&](std::uint64_t& s) {
              kvevict::batched_prefill(st(), active.set, prompts, input, view, reclaim_out, &s);
            }).has_value();

@@ -115,17 +115,6 @@ class sequence_driver {
     return out;
   }
 
-  float scale_value() {
-    if (in_.one_in(24)) {
-      const float bad[] = {0.0f, -1.0f, std::nanf(""), INFINITY};
-      return bad[in_.range(0, 3)];
-    }
-    return in_.one_in(2) ? 1.0f : 0.25f;
-  }
-  kvevict::lse_base base_value() {
-    if (in_.one_in(24)) return static_cast<kvevict::lse_base>(in_.range(2, 255));
-    return in_.one_in(2) ? kvevict::lse_base::base2 : kvevict::lse_base::natural;
-  }
 
   // ---- checks after a success ----
 
@@ -286,8 +275,8 @@ class sequence_driver {
     if (greedy || kind == 3) {
       const auto q = make_tensor<T, 2>(in_, {q_heads, head_dim()}, {false, false}, value_kind::query, 24, 24);
       const auto lse = make_tensor<float, 1>(in_, {q_heads}, {false}, value_kind::logit, 24, 24);
-      const float scale = scale_value();
-      const kvevict::lse_base base = base_value();
+      const float scale = scale_value(in_);
+      const kvevict::lse_base base = base_value(in_);
       const view_type view = pick_view(in_, cache_);
       const kvevict::decode_queries<T> input{q.view, lse.view, scale, base};
       if (call("observe(queries)", [&] { policy_.observe(b, input, view); })) {
@@ -326,7 +315,7 @@ class sequence_driver {
       } else {
         const auto logits = make_tensor<float, 2>(in_, {q_heads, width}, {false, true}, value_kind::logit);
         const auto lse = make_tensor<float, 1>(in_, {q_heads}, {false}, value_kind::logit, 24, 24);
-        const kvevict::decode_logits input{logits.view, lse.view, scale_value(), base_value()};
+        const kvevict::decode_logits input{logits.view, lse.view, scale_value(in_), base_value(in_)};
         if (call("observe(logits)", [&] { policy_.observe(b, input); }))
           apply(
               [&](std::int32_t qh, std::int32_t s) {
@@ -493,7 +482,7 @@ class sequence_driver {
     if constexpr (greedy) {
       const auto q = make_tensor<T, 2>(in_, {q_heads, head_dim()}, {false, false}, value_kind::query, 24, 24);
       const auto lse = make_tensor<float, 1>(in_, {q_heads}, {false}, value_kind::logit, 24, 24);
-      const kvevict::decode_queries<T> input{q.view, lse.view, scale_value(), base_value()};
+      const kvevict::decode_queries<T> input{q.view, lse.view, scale_value(in_), base_value(in_)};
       ok = call("prefill(queries)", [&] { policy_.prefill(b, length, input, view); });
     } else {
       const int kind = in_.range(0, scoreless_prefill ? 4 : 3);
@@ -521,7 +510,7 @@ class sequence_driver {
         const auto q = make_tensor<T, 3>(in_, {q_heads, m, head_dim()}, {false, true, false}, value_kind::query, 24,
                                          48);
         const auto lse = make_tensor<float, 2>(in_, {q_heads, m}, {false, true}, value_kind::logit, 24, 48);
-        const kvevict::prefill_queries<T> input{q.view, lse.view, scale_value(), base_value()};
+        const kvevict::prefill_queries<T> input{q.view, lse.view, scale_value(in_), base_value(in_)};
         ok = call("prefill(queries)", [&] { policy_.prefill(b, length, input, view); });
         if (ok && is_h2o) {
           const view_type v = cache_.view();

@@ -34,7 +34,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 DOCS = os.path.join(HERE, "..", "docs")
 BEGIN, END = "<!-- BEGIN bench_report -->", "<!-- END bench_report -->"
 
-# Targets of DESIGN.md section 11 / issue 9, as (row pattern, baseline of
+# Targets of the host (issue 9), as (row pattern, baseline of
 # the same run, minimum ratio, wording).
 TARGETS = [
     (r"^decode/h2o(_batched)?/probs/S1/evict1/powerlaw/f32$", "decode/fused_loop/probs/S1/evict1/powerlaw/f32", 0.70,
@@ -45,7 +45,7 @@ TARGETS = [
      ">= 2x std::nth_element"),
 ]
 
-# GPU targets of DESIGN.md section 11, checked when kvevict_bench_cuda (and,
+# GPU targets (docs/benchmarks.md, "GPU"), checked when kvevict_bench_cuda (and,
 # for the torch rows, scripts/bench_torch.py) JSON is given; otherwise each
 # reads "not measured". "baselines": templates of the same run's baseline
 # rows; with several, the fastest of them in each run. "max_seconds": a
@@ -381,7 +381,7 @@ def report(rows, runs, context, args):
     lines += ["### Targets", ""] + (targets_table(checks) if checks else ["No target row was measured in this run."])
     gpu_checks = gpu_target_checks(rows)
     lines += ["", "### GPU targets", "",
-              "Per layer, cold (DESIGN.md section 11: 32 layers' steps in one CUDA graph, time = replay / 32). "
+              "Per layer, cold (32 layers' steps in one CUDA graph, time = replay / 32). "
               "Rows read *not measured* when these runs hold no kvevict_bench_cuda (or bench_torch.py) JSON.", ""]
     lines += targets_table(gpu_checks)
     checks = checks + gpu_checks
@@ -473,7 +473,7 @@ def plot(rows, date):
         ax.set_yscale("log")
         ax.set_xticks(range(len(scenarios)), scenarios)
         ax.set_ylabel("steps/s as a fraction of memcpy's (log)")
-        ax.set_xlabel("scenario (DESIGN.md section 10)")
+        ax.set_xlabel("scenario (docs/benchmarks.md)")
         ax.set_title(f"Host h2o decode step from probabilities, power law ({date}, median of per-run ratios)",
                      fontsize=9)
         ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False)

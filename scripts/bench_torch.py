@@ -25,7 +25,7 @@ Rows (names as benchmarks/cuda/, family/method/input/scenario/keep/dist/dtype):
   Items and bytes as gpu_decode (one (sequence, KV head) step; the
   probabilities plus 12 bytes of state a slot).
 
-Cold, as the C++ suite (DESIGN.md section 11): 32 layers, each with its own
+Cold, as the C++ suite (docs/benchmarks.md, "GPU"): 32 layers, each with its own
 buffers, in one CUDA graph; before each replay (outside the CUDA events) a
 write of twice the L2 evicts the last replay's data; time per layer =
 replay / 32. Each repetition runs replays for at least --min-time seconds
@@ -40,7 +40,7 @@ import re
 import statistics
 import sys
 
-# (name, B, KV heads, group, N, head_dim): DESIGN.md section 10.
+# (name, B, KV heads, group, N, head_dim): the scenarios of docs/benchmarks.md.
 SCENARIOS = [("S0", 24, 32, 1, 820, 128), ("S1", 64, 8, 4, 4096, 128), ("S2", 16, 8, 4, 32768, 128),
              ("S3", 1, 8, 4, 131072, 128), ("S4", 32, 32, 1, 8192, 64), ("S5", 1, 8, 4, 1024, 128)]
 KEEPS = [("keep20", 20), ("keep50", 50)]

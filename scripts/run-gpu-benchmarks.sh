@@ -4,7 +4,7 @@
 # times (default 3) with JSON out, runs scripts/bench_torch.py after each run
 # when torch is importable (the torch.topk and torch.compile baselines), and
 # prints scripts/bench_report.py's tables and GPU target rows. Figures are
-# per layer, timed cold (DESIGN.md section 11; docs/benchmarks.md).
+# per layer, timed cold (docs/benchmarks.md, "GPU").
 #
 #   scripts/run-gpu-benchmarks.sh                               # everything
 #   RUNS=1 scripts/run-gpu-benchmarks.sh --benchmark_filter=/S5/  # a subset

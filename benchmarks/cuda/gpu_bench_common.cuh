@@ -1,6 +1,6 @@
 #pragma once
 // What every CUDA benchmark family shares: device buffers, the "no GPU"
-// exit, and the cold timing of DESIGN.md section 11.
+// exit, and the cold timing (docs/benchmarks.md, "GPU").
 //
 // Cold: a 32-layer model's step, each layer with its own state and inputs,
 // captured in one CUDA graph; one iteration replays the graph between two
@@ -34,7 +34,7 @@
 namespace kvbench {
 namespace gpu {
 
-/// Layers per cold replay (DESIGN.md section 11).
+/// Layers per cold replay: a 32-layer model's step.
 constexpr int kLayers = 32;
 
 /// Replays of one layer's graph between the events of the warm case: one
@@ -274,7 +274,7 @@ inline std::vector<device_array<float>> per_layer_copies(const std::vector<float
 
 /// A device-to-device copy of `bytes_touched / 2` bytes per layer: it reads
 /// and writes bytes_touched bytes in all, so its bytes/s is the copy
-/// bandwidth counted as DESIGN.md counts it (read + written), on the bytes a
+/// bandwidth counted as docs/benchmarks.md counts it (read + written), on the bytes a
 /// step touches. One item per layer-step as the step it is the roof of.
 struct d2d_copy_layers {
   std::vector<device_array<unsigned char>> src, dst;

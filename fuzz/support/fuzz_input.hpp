@@ -10,12 +10,14 @@
 // and longer ones add the invalid variants.
 #include <fuzzer/FuzzedDataProvider.h>
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <limits>
 #include <vector>
 
 #include "kvevict/dtype/convert.hpp"
+#include "kvevict/score_inputs.hpp"
 
 namespace kvfuzz {
 
@@ -97,5 +99,20 @@ class fuzz_input {
 
   FuzzedDataProvider fdp_;
 };
+
+/// The `scale` of a logits or queries input: now and then 0, negative, NaN or inf.
+inline float scale_value(fuzz_input& in) {
+  if (in.one_in(24)) {
+    const float bad[] = {0.0f, -1.0f, std::nanf(""), std::numeric_limits<float>::infinity()};
+    return bad[in.range(0, 3)];
+  }
+  return in.one_in(2) ? 1.0f : 0.25f;
+}
+
+/// The LSE base of a logits or queries input: now and then out of range.
+inline kvevict::lse_base base_value(fuzz_input& in) {
+  if (in.one_in(24)) return static_cast<kvevict::lse_base>(in.range(2, 255));
+  return in.one_in(2) ? kvevict::lse_base::base2 : kvevict::lse_base::natural;
+}
 
 }  // namespace kvfuzz
