@@ -109,6 +109,35 @@ inline std::vector<float> probabilities(std::size_t n, std::int32_t row, distrib
   return p;
 }
 
+/// What one decode step's input holds: probabilities ([Hq] rows), per-KV-head
+/// increments ([Hkv] rows, each a distribution over N / group so that it
+/// weighs as a folded group does), or logits (log of the probabilities, with
+/// LSE 0) and their LSE.
+enum class step_values { probabilities, increments, logits };
+
+/// One decode step's input for `seqs` sequences, [seqs][rows][N], shared by
+/// the host and CUDA decode families.
+struct step_inputs {
+  std::vector<float> values;  // probabilities, increments or logits
+  std::vector<float> lse;     // [B][Hq], zeros: logit = log(probability)
+  std::int32_t rows_per_seq = 0;
+  std::int64_t bytes = 0;     // values + lse read
+};
+
+inline step_inputs make_step_inputs(const scenario& sc, std::int32_t seqs, step_values kind, distribution d) {
+  step_inputs in;
+  const bool increments = kind == step_values::increments;
+  in.rows_per_seq = increments ? sc.kv_heads : sc.q_heads();
+  const std::size_t n = std::size_t(seqs) * in.rows_per_seq * sc.slots;
+  in.values = probabilities(n, increments ? sc.slots / sc.group : sc.slots, d, 1);
+  if (kind == step_values::logits) {
+    for (float& x : in.values) x = std::log(std::max(x, 1e-30f));
+    in.lse.assign(std::size_t(sc.seqs) * sc.q_heads(), 0.0f);
+  }
+  in.bytes = std::int64_t(in.values.size() * sizeof(float) + in.lse.size() * sizeof(float));
+  return in;
+}
+
 /// Scores for a selection: the same shapes, plus distinct-enough spreads.
 inline std::vector<float> scores(std::size_t n, distribution d, std::uint32_t seed) {
   return probabilities(n, 1, d, seed);

@@ -51,26 +51,14 @@ const char* name_of(input_kind k) {
   return "?";
 }
 
-struct step_inputs {
-  std::vector<float> values;  // probabilities, increments or logits
-  std::vector<float> lse;     // [B][Hq], zeros: logit = log(probability)
-  std::int32_t rows_per_seq;  // Hq, or Hkv for head_scores
-  std::int64_t bytes;         // values + lse
-};
+using kvbench::step_inputs;
 
 step_inputs make_inputs(const scenario& sc, input_kind kind, distribution d) {
-  step_inputs in;
-  in.rows_per_seq = kind == input_kind::head_scores ? sc.kv_heads : sc.q_heads();
-  const std::int32_t seqs = kind == input_kind::probs_shared ? 1 : sc.seqs;
-  const std::size_t n = std::size_t(seqs) * in.rows_per_seq * sc.slots;
-  const std::int32_t row = kind == input_kind::head_scores ? sc.slots / sc.group : sc.slots;
-  in.values = kvbench::probabilities(n, row, d, 1);
-  if (kind == input_kind::logits) {
-    for (float& x : in.values) x = std::log(std::max(x, 1e-30f));
-    in.lse.assign(std::size_t(sc.seqs) * sc.q_heads(), 0.0f);
-  }
-  in.bytes = std::int64_t(in.values.size() * sizeof(float) + in.lse.size() * sizeof(float));
-  return in;
+  using kvbench::step_values;
+  const step_values values = kind == input_kind::head_scores ? step_values::increments
+                             : kind == input_kind::logits    ? step_values::logits
+                                                             : step_values::probabilities;
+  return kvbench::make_step_inputs(sc, kind == input_kind::probs_shared ? 1 : sc.seqs, values, d);
 }
 
 // The per-sequence API's input for sequence b.

@@ -79,25 +79,11 @@ inline std::vector<std::int32_t> shuffled_slot_positions(const scenario& sc) {
 }
 
 /// The host side of one step's inputs, shared by every layer.
-struct host_inputs {
-  std::vector<float> values;  // probabilities, increments or logits
-  std::vector<float> lse;     // [B][Hq] (logits: zeros, so logit = log(probability))
-  std::int32_t rows_per_seq = 0;
-  std::int64_t bytes = 0;     // values + LSE read
-};
-
-inline host_inputs make_host_inputs(const scenario& sc, input_kind kind, distribution d) {
-  host_inputs in;
-  in.rows_per_seq = kind == input_kind::head_scores ? sc.kv_heads : sc.q_heads();
-  const std::size_t n = std::size_t(sc.seqs) * in.rows_per_seq * sc.slots;
-  const std::int32_t row = kind == input_kind::head_scores ? sc.slots / sc.group : sc.slots;
-  in.values = probabilities(n, row, d, 1);
-  if (kind == input_kind::logits) {
-    for (float& x : in.values) x = std::log(std::max(x, 1e-30f));
-    in.lse.assign(std::size_t(sc.seqs) * sc.q_heads(), 0.0f);
-  }
-  in.bytes = std::int64_t(in.values.size() * sizeof(float) + in.lse.size() * sizeof(float));
-  return in;
+inline step_inputs make_host_inputs(const scenario& sc, input_kind kind, distribution d) {
+  const step_values values = kind == input_kind::head_scores ? step_values::increments
+                             : kind == input_kind::logits    ? step_values::logits
+                                                             : step_values::probabilities;
+  return make_step_inputs(sc, sc.seqs, values, d);
 }
 
 /// Queries + LSE with a bf16 BHSD cache of random keys, in host memory.
@@ -135,7 +121,7 @@ class decode_layers {
  public:
   decode_layers(const scenario& sc, input_kind kind, distribution d, int count) : sc_(sc), kind_(kind) {
     const std::vector<std::int32_t> positions = shuffled_slot_positions(sc);
-    host_inputs in;
+    step_inputs in;
     std::unique_ptr<host_queries> hq;
     if (kind == input_kind::queries) {
       hq = std::make_unique<host_queries>(sc);

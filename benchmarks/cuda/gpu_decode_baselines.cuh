@@ -226,7 +226,7 @@ inline void fused_kernel(benchmark::State& state, scenario sc, bool head_scores,
     timing_context ctx;
     const int group = head_scores ? 1 : sc.group;
     if (group != 1 && group != 4) throw setup_failure{"fused_kernel: group sizes 1 and 4 only"};
-    const host_inputs in = make_host_inputs(sc, head_scores ? input_kind::head_scores : input_kind::probs, d);
+    const step_inputs in = make_host_inputs(sc, head_scores ? input_kind::head_scores : input_kind::probs, d);
     const std::vector<std::int32_t> positions = shuffled_slot_positions(sc);
     const std::int64_t heads = sc.heads_total();
     const std::int32_t chunks = (sc.slots + kFusedChunk - 1) / kFusedChunk;
