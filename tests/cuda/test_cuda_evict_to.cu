@@ -69,8 +69,11 @@ void run_multi_token(kvtest::layout_kind layout, const typename kv::policy_trait
     device_buffer<std::uint8_t> d_flags(flags.size());
     std::vector<kv::slot_move> moves(std::size_t(kSeqs) * kHeads * kCap);
     std::vector<std::int32_t> counts(std::size_t(kSeqs) * kHeads);
-    device_buffer<kv::slot_move> d_moves(moves.size());
-    device_buffer<std::int32_t> d_counts(counts.size());
+    // The kernels write only active heads and their first move_counts moves:
+    // start the device buffers equal to the host's, so whole downloads compare
+    // defined bytes (initcheck) and inactive heads keep equal values.
+    device_buffer<kv::slot_move> d_moves(moves);
+    device_buffer<std::int32_t> d_counts(counts);
     std::uint64_t host_status = kv::batch_status_clear;
     device_buffer<std::uint64_t> d_status(std::vector<std::uint64_t>{kv::batch_status_clear});
     for (std::int32_t step = 0; step < 20; ++step) {

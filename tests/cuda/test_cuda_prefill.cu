@@ -493,6 +493,20 @@ TEST_CASE("cuda prefill: arguments throw before any launch; exact_greedy is refu
   CHECK_THROWS_AS(gpu::batched_prefill(workspace.get(), short_bytes, dev.view, active_set::all(), prompts, in,
                                        dcache.view, nullptr, status.get(), nullptr),
                   invalid_argument);
+  {  // A queries tile the device cannot hold (float, head_dim 1024: over 300 KiB of shared memory per block)
+     // is refused before the call's memset and prepare kernel run.
+    const std::int32_t wide_dim = 1024;
+    auto wide = make_bhsd_cache<float>(B, H, cap, wide_dim);
+    kvtest::device_cache dwide(wide.view());
+    const device_buffer<float> q(std::vector<float>(std::size_t(B) * 4 * cap * wide_dim, 0.01f));
+    const device_buffer<float> lse(std::vector<float>(std::size_t(B) * 4 * cap, 1.0f));
+    const batch_prefill_queries<float> wide_in{make_tensor_view<const float>(q.get(), B, 4, cap, wide_dim),
+                                               make_tensor_view<const float>(lse.get(), B, 4, cap), 0.125f};
+    std::size_t wide_bytes = 0;
+    CHECK_THROWS_AS(gpu::batched_prefill(nullptr, wide_bytes, dev.view, active_set::all(), prompts, wide_in,
+                                         dwide.view, nullptr, status.get(), nullptr),
+                    invalid_argument);
+  }
   KVTEST_CUDA(cudaDeviceSynchronize());
   after.read(dev.view);
   for (std::int32_t b = 0; b < B; ++b) CHECK(sequence_bytes(before.view, b) == sequence_bytes(after.view, b));

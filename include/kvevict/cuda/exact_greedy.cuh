@@ -95,8 +95,8 @@ __global__ void __launch_bounds__(BlockThreads)
   float* keys = hv.keys + bh * hv.max_tokens * d;
   float* values = hv.values + bh * hv.max_tokens * d;
   unsigned long long problem = batch_status_clear;
-  for (std::int32_t i = t; i < count * d; i += BlockThreads) {
-    const std::int32_t s = i / d, e = i % d, p = positions[s];
+  for (std::int64_t i = t; i < std::int64_t{count} * d; i += BlockThreads) {  // 64-bit: count * d may pass 2^31
+    const std::int32_t s = static_cast<std::int32_t>(i / d), e = static_cast<std::int32_t>(i % d), p = positions[s];
     if (p < first) continue;
     const float k = to_float(cache.k_row(b, h, s)[e]), v = to_float(cache.v_row(b, h, s)[e]);
     if (classify_input(k, false) != batch_code::ok || classify_input(v, false) != batch_code::ok)

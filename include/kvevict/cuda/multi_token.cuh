@@ -55,8 +55,8 @@ __global__ void __launch_bounds__(BlockThreads)
   __syncthreads();
   if (problem != batch_status_clear) return;
   const std::int32_t first = st.slots.lengths[b];
-  for (std::int32_t i = t; i < st.num_heads() * tokens; i += BlockThreads) {
-    const std::int32_t h = i / tokens, j = i % tokens;
+  for (std::int64_t i = t; i < std::int64_t{st.num_heads()} * tokens; i += BlockThreads) {  // 64-bit product
+    const std::int32_t h = static_cast<std::int32_t>(i / tokens), j = static_cast<std::int32_t>(i % tokens);
     const std::int64_t bh = st.head_index(b, h);
     const std::int32_t s = new_token_slot(st.slots.counts[bh], st.slots.next_slots[bh], j);
     st.slots.positions_of(b, h)[s] = first + j;

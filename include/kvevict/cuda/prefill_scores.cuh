@@ -282,6 +282,16 @@ struct scoring_queries {
                     std::int32_t max_length) const {
     require_blocks(w, entries * st.num_q_heads * tiles_of(max_length, kPrefillKeys));
     require_blocks(w, entries * st.num_heads() * tiles_of(max_length, kPrefillColumns));
+    // The tile grows with head_dim; refuse one the device cannot hold here,
+    // before the call's memset and prepare kernel change anything.
+    const std::size_t shared = query_tile_layout<Q, T>(cache.head_dim).total();
+    int device = 0, limit = 0;
+    if (shared > 48 * 1024 && cudaGetDevice(&device) == cudaSuccess &&
+        cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) == cudaSuccess &&
+        shared > static_cast<std::size_t>(limit))
+      kvevict::detail::fail<invalid_argument>(w, "cache.head_dim", "= ", cache.head_dim, " needs ", shared,
+                                              " bytes of shared memory per block for these dtypes; the device "
+                                              "allows ", limit);
   }
   cudaError_t launch(const prefill_launch& l) const {
     const std::int32_t tiles = tiles_of(l.prompts.max_length, kPrefillKeys);
