@@ -44,6 +44,7 @@ inline const std::vector<scenario>& scenarios() {
       {"S3", 1, 8, 4, 131072, 128, true},     // few long segments
       {"S4", 32, 32, 1, 8192, 64, true},      // head_dim 64
       {"S5", 1, 8, 4, 1024, 128, false},      // latency
+      {"L8", 64, 8, 4, 16384, 128, true},     // many long segments: 8M slots, the largest roof anchor
   };
   return all;
 }

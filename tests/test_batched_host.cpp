@@ -19,6 +19,7 @@
 #include "kvevict/kvevict.hpp"
 #include "support/batch_streams.hpp"
 #include "support/caches.hpp"
+#include "support/state_invariants.hpp"
 
 namespace {
 
@@ -161,6 +162,7 @@ void run_stream(std::uint32_t seed, layout_kind layout, std::int32_t group, inpu
         REQUIRE(batched.status_word() == batch_status_clear);
         CHECK(got == want);
         const batch_state_view& s = batched.state();
+        kvtest::check_slot_invariants(s);
         for (std::int32_t b = 0; b < B; ++b) {
           REQUIRE(s.slots.lengths[b] == single.length(b));
           for (std::int32_t h = 0; h < H; ++h) {

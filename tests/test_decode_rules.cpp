@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "kvevict/kvevict.hpp"
+#include "support/random_reference.hpp"
 
 namespace {
 
@@ -117,32 +118,33 @@ TEST_CASE("fold_group: sum, mean and max in query order; the first bad input is 
         batch_code::infinite_input);
 }
 
-TEST_CASE("pick_victim: lowest key, oldest, or the k-th by position; never a protected or free slot") {
+TEST_CASE("pick_victim: lowest key, oldest, or the lowest random priority; never a protected or free slot") {
   // Slots hold positions 7, -1 (free), 2, 9, 4, 5; length 10.
   const std::int32_t pos[6] = {7, -1, 2, 9, 4, 5};
   const float score[6] = {0.5f, -100.0f, 3.0f, 0.0f, 0.5f, 1.0f};
-  std::int32_t scratch[6];
   decode_rule h2o;
   h2o.protect = {0, 2};  // positions 8, 9 protected
   // Keys among 7, 2, 4, 5: (0.5, 7), (3, 2), (0.5, 4), (1, 5): the tie at 0.5 goes to the older, 4 (slot 4).
-  CHECK(pick_victim(h2o, pos, score, 6, 10, 0, 0, scratch) == 4);
+  CHECK(pick_victim(h2o, pos, score, 6, 10, 0, 0) == 4);
   decode_rule window;
   window.victim = victim_rule::oldest;
   window.protect = {3, 0};  // positions 0..2 are sinks: the oldest other is 4
-  CHECK(pick_victim(window, pos, score, 6, 10, 0, 0, scratch) == 4);
+  CHECK(pick_victim(window, pos, score, 6, 10, 0, 0) == 4);
   decode_rule random;
-  random.victim = victim_rule::random_rank;
-  random.protect = {3, 2};  // candidates by position: 4, 5, 7 (slots 4, 5, 0)
+  random.victim = victim_rule::random_priority;
+  random.protect = {3, 2};  // candidates: positions 4, 5, 7 in slots 4, 5, 0
   random.seed = 42;
-  const std::int32_t by_rank[3] = {4, 5, 0};
-  for (std::uint64_t stream : {0u, 1u, 2u, 3u, 4u, 5u}) {
-    const std::int32_t k = random_victim_rank(42, stream, 1, 10, 3);
-    REQUIRE((k >= 0 && k < 3));
-    CHECK(pick_victim(random, pos, score, 6, 10, stream, 1, scratch) == by_rank[k]);
+  const std::int32_t slot_of[8] = {-1, -1, -1, -1, 4, 5, -1, 0};
+  std::int32_t seen[8] = {};
+  for (std::uint64_t stream = 0; stream < 60; ++stream) {
+    const std::int32_t p = kvtest::random_victims(42, stream, 1, 9, {4, 5, 7}, 1)[0];
+    CHECK(pick_victim(random, pos, score, 6, 10, stream, 1) == slot_of[p]);
+    ++seen[p];
   }
+  CHECK((seen[4] > 0 && seen[5] > 0 && seen[7] > 0));  // each candidate is taken for some stream
   decode_rule all;
   all.protect = {10, 0};
-  CHECK(pick_victim(all, pos, score, 6, 10, 0, 0, scratch) == -1);
+  CHECK(pick_victim(all, pos, score, 6, 10, 0, 0) == -1);
 }
 
 TEST_CASE("status word: packs (sequence, head, index, code) so the lowest offender wins, and throws by kind") {
@@ -288,8 +290,7 @@ TEST_CASE("decode_pass: the vectorised fold, add and victim search decide as fol
       decode_rule rule;
       rule.victim = victim;
       rule.protect = {std::int32_t(rng() % 3), std::int32_t(rng() % 4)};
-      std::vector<std::int32_t> scratch(static_cast<std::size_t>(width));
-      const std::int32_t expected = pick_victim(rule, pos.data(), next.data(), width, length, 0, 0, scratch.data());
+      const std::int32_t expected = pick_victim(rule, pos.data(), next.data(), width, length, 0, 0);
       std::vector<float> committed = score;
       CHECK(detail::commit_and_find_victim(rule, next.data(), committed.data(), pos.data(), width, length) == expected);
       CHECK(committed == next);

@@ -15,6 +15,8 @@
 #include "kvevict/kvevict.hpp"
 #include "kvevict/batch/multi_token.hpp"
 #include "support/caches.hpp"
+#include "support/state_invariants.hpp"
+#include "support/random_reference.hpp"
 
 namespace kv = kvevict;
 
@@ -130,6 +132,58 @@ TEST_CASE("evict_to keeps the brute-force keep set and a prefix of slots: h2o an
     kv::recent_window_policy window(shape_of(16), {2, 6});
     run_keep_set_stream(window, seed, 2, 0, newest_first);
   }
+}
+
+TEST_CASE("refill: the lowest hole below the span takes the lowest occupied slot beyond it, the next hole is left") {
+  // Written from the rule (policy/evict_to.hpp): span = kept + 1 when kept
+  // <= budget (the spare slot), else kept; holes are the free slots below
+  // the span, ascending; sources the occupied slots at or beyond it,
+  // ascending; source i moves into hole i, and the first hole left over is
+  // the next slot (-1 when none).
+  std::mt19937 rng(17);
+  std::int64_t moves_checked = 0;
+  for (int trial = 0; trial < 4000; ++trial) {
+    const std::int32_t width = 1 + std::int32_t(rng() % 40);
+    std::vector<std::int32_t> pos(static_cast<std::size_t>(width), -1);
+    std::int32_t kept = 0;
+    for (std::int32_t s = 0; s < width; ++s)
+      if (rng() % 3 != 0) pos[std::size_t(s)] = 100 + s, ++kept;
+    if (kept == 0 || kept == width) continue;  // evict_to freed at least one slot of the row
+    const std::int32_t budget = std::max(1, kept - 2 + std::int32_t(rng() % 6));
+    std::vector<float> score(pos.size()), spare(pos.size(), 7.0f);
+    for (std::int32_t s = 0; s < width; ++s) score[std::size_t(s)] = pos[std::size_t(s)] >= 0 ? 0.5f + float(s) : 0.0f;
+    const std::int32_t span = kept <= budget ? kept + 1 : kept;
+    std::vector<std::int32_t> holes, sources;
+    for (std::int32_t s = 0; s < width; ++s) {
+      if (s < span && pos[std::size_t(s)] < 0) holes.push_back(s);
+      if (s >= span && pos[std::size_t(s)] >= 0) sources.push_back(s);
+    }
+    std::vector<std::int32_t> want = pos;
+    for (std::size_t i = 0; i < sources.size(); ++i) {
+      want[std::size_t(holes[i])] = pos[std::size_t(sources[i])];
+      want[std::size_t(sources[i])] = -1;
+    }
+    const std::int32_t want_next = sources.size() < holes.size() ? holes[sources.size()] : -1;
+    std::vector<std::int32_t> scratch(pos.size()), got = pos;
+    std::vector<kv::slot_move> moves(pos.size());
+    std::int32_t next = -2;
+    const std::int32_t n = kv::detail::refill_holes(
+        got.data(), score.data(), spare.data(), kept, budget, width, scratch.data(), next,
+        [&](std::int32_t i, std::int32_t from, std::int32_t to) { moves[std::size_t(i)] = {from, to}; });
+    CAPTURE(trial);
+    REQUIRE(n == std::int32_t(sources.size()));
+    CHECK(got == want);
+    CHECK(next == want_next);
+    for (std::int32_t i = 0; i < n; ++i) {
+      CHECK(moves[std::size_t(i)].from == sources[std::size_t(i)]);
+      CHECK(moves[std::size_t(i)].to == holes[std::size_t(i)]);
+      CHECK(score[std::size_t(holes[std::size_t(i)])] == 0.5f + float(sources[std::size_t(i)]));
+    }
+    for (std::int32_t s = 0; s < width; ++s)
+      if (got[std::size_t(s)] < 0) CHECK((score[std::size_t(s)] == 0.0f && spare[std::size_t(s)] == 0.0f));
+    moves_checked += n;
+  }
+  CHECK(moves_checked > 5000);
 }
 
 TEST_CASE("evict_to with one token above the target is evict, for every policy") {
@@ -276,7 +330,7 @@ TEST_CASE("evict after evict_to decides on the moved slots, not on what observe 
   }
 }
 
-TEST_CASE("random evict_to draws victim j with round j of its Philox counter") {
+TEST_CASE("random evict_to frees the step's lowest Philox priorities") {
   std::mt19937 rng(5);
   const std::int32_t cap = 24;
   const kv::random_config config{10, 2, 3, 1234};
@@ -292,14 +346,13 @@ TEST_CASE("random evict_to draws victim j with round j of its Philox counter") {
     for (std::int32_t h = 0; h < kHeads; ++h) {
       std::set<std::int32_t> held = positions_of(policy, b, h);
       const std::int32_t surplus = std::int32_t(held.size()) - config.budget;
-      for (std::int32_t round = 0; round < surplus; ++round) {
-        std::vector<std::int32_t> candidates;  // ascending positions
-        for (std::int32_t p : held)
-          if (p >= config.sinks && p < length - config.recent) candidates.push_back(p);
-        const std::uint32_t draw =
-            kv::random_draw(config.seed, kv::random_use::decode_victim, std::uint64_t(b), h, length - 1, round);
-        held.erase(candidates[kv::uniform_index(draw, std::uint32_t(candidates.size()))]);
-      }
+      std::vector<std::int32_t> candidates;
+      for (std::int32_t p : held)
+        if (p >= config.sinks && p < length - config.recent) candidates.push_back(p);
+      if (surplus > 0)
+        for (std::int32_t p : kvtest::random_victims(config.seed, std::uint64_t(b), h, length - 1, candidates,
+                                                     std::size_t(surplus)))
+          held.erase(p);
       expected.push_back(held);
     }
     policy.evict_to(b, config.budget, static_cast<kv::slot_move*>(std::vector<kv::slot_move>(kHeads * cap).data()),
@@ -544,6 +597,7 @@ void run_batched_parity(kvtest::layout_kind layout, const typename kv::policy_tr
             }
         }
         REQUIRE(status == kv::batch_status_clear);
+        kvtest::check_slot_invariants(st);
         for (std::int32_t b = 0; b < kSeqs; ++b)
           for (std::int32_t h = 0; h < kHeads; ++h) {
             CHECK(st.slots.counts[st.head_index(b, h)] == single.slots().count(b, h));

@@ -24,6 +24,7 @@
 
 #include "kvevict/order.hpp"
 #include "kvevict/philox.hpp"
+#include "support/random_reference.hpp"
 
 namespace {
 
@@ -401,63 +402,44 @@ TEST_CASE("random_draw: a pure function whose every argument matters") {
   }
 }
 
-TEST_CASE("uniform_index: range, exact boundaries and uniformity") {
-  using kvevict::uniform_index;
-  constexpr u32 kMaxDraw = 0xFFFFFFFFu;
-  constexpr u32 k2pow31 = 0x80000000u;
-
-  // n = 1: always 0.
-  for (u32 d : {0u, 1u, 0x7FFFFFFFu, 0x80000000u, kMaxDraw}) CHECK(uniform_index(d, 1u) == 0u);
-  // n = 2^31: exactly draw / 2.
-  for (u32 d : {0u, 1u, 2u, 3u, 0x7FFFFFFFu, 0x80000000u, 0xFFFFFFFEu, kMaxDraw}) {
-    CAPTURE(d);
-    CHECK(uniform_index(d, k2pow31) == d / 2u);
+TEST_CASE("random decode priorities: the definition, every argument matters, uniform victims") {
+  std::mt19937 g(2024u);
+  int wrong = 0, same_seed = 0, same_stream_hi = 0, same_head = 0, same_newest = 0, same_position = 0;
+  for (int i = 0; i < 5000; ++i) {
+    const u64 seed = (u64{draw32(g)} << 32) | draw32(g);
+    const u64 stream = ((u64{draw32(g)} << 32) | draw32(g)) & kvevict::max_random_stream;
+    const i32 h = static_cast<i32>(draw32(g) % 64u), newest = static_cast<i32>(draw32(g) & 0x7FFFFFFFu);
+    const i32 p = static_cast<i32>(draw32(g) & 0x7FFFFFFFu);
+    const auto lib = [](u64 sd, u64 st, i32 hd, i32 nw, i32 ps) {
+      return kvevict::random_priority(kvevict::random_step_key(sd, st, hd, nw), ps);
+    };
+    const u32 d = lib(seed, stream, h, newest, p);
+    wrong += d != kvtest::decode_priority(seed, stream, h, newest, p);
+    same_seed += lib(seed ^ (u64{1} << 37), stream, h, newest, p) == d;
+    same_stream_hi += lib(seed, stream ^ (u64{1} << 50), h, newest, p) == d;
+    same_head += lib(seed, stream, h ^ 1, newest, p) == d;
+    same_newest += lib(seed, stream, h, newest ^ 1, p) == d;
+    same_position += lib(seed, stream, h, newest, p ^ 1) == d;
   }
-  // n = 2: the top bit.
-  CHECK(uniform_index(0x7FFFFFFFu, 2u) == 0u);
-  CHECK(uniform_index(0x80000000u, 2u) == 1u);
+  CHECK(wrong == 0);
+  CHECK(same_seed == 0);  // 32-bit collisions: expected 5000 / 2^32 per line
+  CHECK(same_stream_hi == 0);
+  CHECK(same_head == 0);
+  CHECK(same_newest == 0);
+  CHECK(same_position == 0);
 
-  // Random draws and random n stay in [0, n); the extremes hit 0 and n - 1.
-  std::mt19937 g(5u);
-  int out_of_range = 0;
-  for (int i = 0; i < 100000; ++i) {
-    u32 n = draw32(g);
-    if (i % 3 == 0) n = 1u + n % 100u;
-    if (n == 0) n = 1;
-    const u32 d = draw32(g);
-    if (uniform_index(d, n) >= n) ++out_of_range;
-  }
-  CHECK(out_of_range == 0);
-  for (u32 n : {1u, 2u, 3u, 7u, 1000u, k2pow31, k2pow31 + 1u, kMaxDraw}) {
-    CAPTURE(n);
-    CHECK(uniform_index(0u, n) == 0u);
-    CHECK(uniform_index(kMaxDraw, n) == n - 1u);
-    // The smallest draw that maps to k is ceil(k * 2^32 / n) (multiply-shift).
-    for (u32 k : {0u, 1u, n / 3u, n / 2u, n - 1u}) {
-      if (k >= n) continue;
-      const u64 lo = ((u64{k} << 32) + (n - 1u)) / n;
-      REQUIRE(lo <= kMaxDraw);
-      CAPTURE(k);
-      CHECK(uniform_index(static_cast<u32>(lo), n) == k);
-      if (k > 0) CHECK(uniform_index(static_cast<u32>(lo - 1u), n) == k - 1u);
-    }
-  }
-
-  // Uniformity: chi-square of 100k random_draw values folded to 7 buckets.
-  // df = 6; P(chi2 > 40) ~ 5e-7, and the inputs are fixed.
-  constexpr u32 kN = 7;
-  constexpr int kDraws = 100000;
+  // The victim (lowest priority) of 7 candidates over 70k steps is uniform:
+  // chi-square with df = 6; P(chi2 > 40) ~ 5e-7, and the inputs are fixed.
+  constexpr int kN = 7, kSteps = 70000;
   std::array<int, kN> counts{};
-  for (i32 i = 0; i < kDraws; ++i) {
-    const u32 d = kvevict::random_draw(0xC0FFEEu, kvevict::random_use::decode_victim, i % 4, (i / 4) % 8, i);
-    const u32 k = uniform_index(d, kN);
-    if (k >= kN) {
-      FAIL_CHECK("uniform_index out of range: " << k);
-      break;
-    }
-    ++counts[k];
+  for (i32 step = 0; step < kSteps; ++step) {
+    const kvevict::philox4x32_key key = kvevict::random_step_key(0xC0FFEEu, u64(step % 5), step % 8, 100 + step);
+    int best = 0;
+    for (int c = 1; c < kN; ++c)
+      if (kvevict::random_priority(key, 10 + c) < kvevict::random_priority(key, 10 + best)) best = c;
+    ++counts[static_cast<std::size_t>(best)];
   }
-  const double expected = double(kDraws) / kN;
+  const double expected = double(kSteps) / kN;
   double chi2 = 0.0;
   for (int c : counts) chi2 += (c - expected) * (c - expected) / expected;
   CAPTURE(chi2);

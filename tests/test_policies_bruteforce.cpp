@@ -19,6 +19,7 @@
 
 #include "kvevict/kvevict.hpp"
 #include "support/caches.hpp"
+#include "support/random_reference.hpp"
 
 namespace {
 
@@ -143,9 +144,10 @@ struct random_case {
   }
   std::int32_t budget() const { return config.budget; }
   policy_type make(const policy_shape& s) const { return policy_type(s, config); }
-  // Decode (one over budget): the k-th unprotected token by position, k drawn
-  // for (seed, b, h, newest position). Prefill: protected tokens plus the
-  // unprotected ones with the highest (draw, position) priority.
+  // Decode (one over budget): the unprotected token with the lowest
+  // (priority, position), priorities drawn for (seed, b, h, newest position)
+  // and each candidate. Prefill: protected tokens plus the unprotected ones
+  // with the highest (draw, position) priority.
   template <class T>
   std::vector<std::int32_t> keep(const ref_head<T>& head, std::int32_t len, std::int32_t b, std::int32_t h,
                                  std::uint64_t decoding) const {
@@ -153,9 +155,8 @@ struct random_case {
     for (const auto& [p, tok] : head)
       (p < config.sinks || p >= len - config.recent ? keep : middle).push_back(p);
     if (decoding) {
-      const std::uint32_t k = uniform_index(random_draw(config.seed, random_use::decode_victim, b, h, len - 1),
-                                            static_cast<std::uint32_t>(middle.size()));
-      middle.erase(middle.begin() + k);
+      const std::int32_t victim = kvtest::random_victims(config.seed, std::uint64_t(b), h, len - 1, middle, 1)[0];
+      middle.erase(std::find(middle.begin(), middle.end(), victim));
       keep.insert(keep.end(), middle.begin(), middle.end());
       return keep;
     }

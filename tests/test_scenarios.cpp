@@ -22,6 +22,7 @@
 
 #include "kvevict/kvevict.hpp"
 #include "support/caches.hpp"
+#include "support/random_reference.hpp"
 
 namespace {
 
@@ -1237,8 +1238,8 @@ TEST_CASE("random: each request on a sequence index draws from its own stream") 
     CHECK(pol.stream(0) == big);
     CHECK(a == b);
     CHECK(a == c);  // the stream, not the index, keys the draws
-    // ...and the draws are the specification's: the k-th candidate by
-    // position, k = uniform_index(random_draw(seed, decode_victim, stream, 0, newest), 9).
+    // ...and the draws are the specification's: the candidate with the
+    // lowest Philox priority of the step (support/random_reference.hpp).
     REQUIRE(a.size() == 192);
     // Independent streams agree on a step's victim slot with probability
     // about 1/9 (21 of 192 expected); replays agree on every step.
@@ -1257,8 +1258,8 @@ TEST_CASE("random: each request on a sequence index draws from its own stream") 
     std::int32_t v = -1;
     pol.skip_observe(1);
     pol.evict(1, &v);
-    const std::uint32_t k = uniform_index(random_draw(77, random_use::decode_victim, s2, 0, 8), 9);
-    CHECK(v == std::int32_t(k));  // slot s holds position s
+    const std::int32_t p = kvtest::random_victims(77, s2, 0, 8, {0, 1, 2, 3, 4, 5, 6, 7, 8}, 1)[0];
+    CHECK(v == p);  // slot s holds position s
   }
   SUBCASE("a stream beyond 63 bits is refused and changes nothing") {
     pol.reset(0, s1);

@@ -15,3 +15,22 @@
 #else
 #define KVEVICT_EXEC_CHECK_DISABLE
 #endif
+
+// Full unrolling of a loop with a constant trip count, so that the arrays it
+// indexes stay in registers on a GPU (an index that is not a compile-time
+// constant puts them in local memory). Host compilers decide for themselves.
+#if defined(__CUDA_ARCH__)
+#define KVEVICT_UNROLL _Pragma("unroll")
+#else
+#define KVEVICT_UNROLL
+#endif
+
+// Keeps a rarely taken path (e.g. a fallback for huge sizes) out of its
+// caller, so the caller's registers are not sized for it.
+#if defined(__CUDACC__)
+#define KVEVICT_NOINLINE __noinline__
+#elif defined(__GNUC__)
+#define KVEVICT_NOINLINE __attribute__((noinline))
+#else
+#define KVEVICT_NOINLINE
+#endif

@@ -56,30 +56,41 @@ enum class random_use : std::uint32_t { decode_victim = 0, prefill_priority = 1 
 /// Largest request stream id: the counter has 63 bits for it.
 inline constexpr std::uint64_t max_random_stream = (std::uint64_t{1} << 63) - 1;
 
-/// The 32-bit draw of the random policy under `seed` for request stream
+/// The Philox block of the random policy under `seed` for request stream
 /// `stream` (at most max_random_stream; by default the sequence index), KV
-/// head `head` and `index`: the position of the newest token for a decode
-/// eviction, or the candidate's position for prefill selection. `round`
-/// numbers the victims of one evict_to call (0 is the single eviction's
-/// draw). Counter: {index, stream bits 0-31, head ^ round << 16, use |
-/// stream bits 32-62 << 1}; key: seed. Rounds share the counter's third word
-/// with heads: draws stay distinct while heads < 65536 and rounds < 65536,
-/// and beyond that they repeat (still valid draws, no longer independent).
-KVEVICT_HOST_DEVICE inline std::uint32_t random_draw(std::uint64_t seed, random_use use, std::uint64_t stream,
-                                                     std::int32_t head, std::int32_t index,
-                                                     std::int32_t round = 0) noexcept {
+/// head `head` and `index` (the newest position for a decode step, the
+/// candidate's position for prefill selection). Counter: {index, stream bits
+/// 0-31, head, use | stream bits 32-62 << 1}; key: seed.
+KVEVICT_HOST_DEVICE inline philox4x32_counter random_block(std::uint64_t seed, random_use use, std::uint64_t stream,
+                                                           std::int32_t head, std::int32_t index) noexcept {
   const philox4x32_key key{{static_cast<std::uint32_t>(seed), static_cast<std::uint32_t>(seed >> 32)}};
   const philox4x32_counter ctr{{static_cast<std::uint32_t>(index), static_cast<std::uint32_t>(stream),
-                                static_cast<std::uint32_t>(head) ^ (static_cast<std::uint32_t>(round) << 16),
+                                static_cast<std::uint32_t>(head),
                                 static_cast<std::uint32_t>(use) | static_cast<std::uint32_t>(stream >> 32) << 1}};
-  return philox4x32_10(ctr, key).v[0];
+  return philox4x32_10(ctr, key);
 }
 
-/// Maps a uniform 32-bit draw to [0, n) by a multiply-shift (Lemire). The
-/// bias is below n / 2^32, and unlike rejection sampling it costs one draw,
-/// so every backend takes the same, fixed number of draws.
-KVEVICT_HOST_DEVICE inline std::uint32_t uniform_index(std::uint32_t draw, std::uint32_t n) noexcept {
-  return static_cast<std::uint32_t>((static_cast<std::uint64_t>(draw) * n) >> 32);
+/// The first word of random_block: prefill's priority of a candidate.
+KVEVICT_HOST_DEVICE inline std::uint32_t random_draw(std::uint64_t seed, random_use use, std::uint64_t stream,
+                                                     std::int32_t head, std::int32_t index) noexcept {
+  return random_block(seed, use, stream, head, index).v[0];
+}
+
+/// The key of one decode step's draws: the first two words of the
+/// decode_victim block of (seed, stream, head, newest position). Every
+/// candidate of that step gets random_priority(step_key, position), so a
+/// step's victims are the lowest priorities: one draw per candidate, no
+/// rounds, and evict_to's k victims are the k lowest of the same step.
+KVEVICT_HOST_DEVICE inline philox4x32_key random_step_key(std::uint64_t seed, std::uint64_t stream, std::int32_t head,
+                                                          std::int32_t newest) noexcept {
+  const philox4x32_counter block = random_block(seed, random_use::decode_victim, stream, head, newest);
+  return philox4x32_key{{block.v[0], block.v[1]}};
+}
+
+/// A candidate's priority in the step keyed by `step_key`: Philox4x32-10
+/// of the counter {position, 0, 0, 0}.
+KVEVICT_HOST_DEVICE inline std::uint32_t random_priority(philox4x32_key step_key, std::int32_t position) noexcept {
+  return philox4x32_10(philox4x32_counter{{static_cast<std::uint32_t>(position), 0u, 0u, 0u}}, step_key).v[0];
 }
 
 }  // namespace kvevict

@@ -17,7 +17,7 @@
 
 namespace kvtest {
 
-/// KVEVICT_TEST_QUICK=1 (the compute-sanitizer runs of scripts/gpu-check.sh):
+/// KVEVICT_TEST_QUICK=1 (the compute-sanitizer runs of the GPU check, scripts/gpu-run.sh):
 /// the stream tests run one combination in `stride`, so a run that is 10-100x
 /// slower still takes minutes.
 inline int quick_stride(int stride) {

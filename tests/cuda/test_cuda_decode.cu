@@ -68,14 +68,26 @@ class raw_device_policy {
   void append(const kv_view<T, Layout>& cache, const batch_rows<T>& k, const batch_rows<T>& v, const active_set& a) {
     KVTEST_CUDA(gpu::batched_append(state_, a, cache, k, v, status_.get(), nullptr));
   }
+  /// Every later observe + evict splits each row into chunks of `tiles`
+  /// tiles (the launchers choose by the SM count; small rows take one).
+  void force_split(std::int32_t tiles) {
+    split_ = split_by_tiles(state_.capacity(), tiles);
+    forced_ = true;
+  }
   template <class Input>
   void observe_evict(const Input& in, const active_set& a, std::int32_t* victims) {
-    KVTEST_CUDA(gpu::batched_observe_evict(state_, a, in, victims, status_.get(), nullptr));
+    if (forced_)
+      KVTEST_CUDA(gpu::detail::observe_evict_split(state_, a, in, victims, status_.get(), nullptr, split_));
+    else
+      KVTEST_CUDA(gpu::batched_observe_evict(state_, a, in, victims, status_.get(), nullptr));
   }
   template <class Q, class T, class Layout>
   void observe_evict(const batch_queries<Q>& in, const kv_view<T, Layout>& cache, const active_set& a,
                      std::int32_t* victims) {
-    KVTEST_CUDA(gpu::batched_observe_evict(state_, a, in, cache, victims, status_.get(), nullptr));
+    if (forced_)
+      KVTEST_CUDA(gpu::detail::observe_evict_split(state_, a, in, cache, victims, status_.get(), nullptr, split_));
+    else
+      KVTEST_CUDA(gpu::batched_observe_evict(state_, a, in, cache, victims, status_.get(), nullptr));
   }
   void reset(const active_set& a, const std::uint64_t* streams) {
     KVTEST_CUDA(gpu::reset_batch_sequences(state_, a, streams, status_.get(), nullptr));
@@ -88,6 +100,8 @@ class raw_device_policy {
   device_buffer<unsigned char> memory_;
   device_buffer<std::uint64_t> status_;
   batch_state_view state_;
+  row_split split_;
+  bool forced_ = false;
 };
 
 /// The owning CUDA policy with the raw policy's test interface.
@@ -346,6 +360,96 @@ void run_large(std::int32_t capacity, std::int32_t seqs, std::int32_t heads,
 }
 
 }  // namespace
+
+namespace {
+
+/// Long rows split over several blocks, for every input kind: rows of 4K to
+/// 6.6K slots start full (fill_state), each observe + evict runs with one or
+/// two tiles per chunk, and the last step spoils one input at a random slot,
+/// so a problem may sit in any chunk; state, victims, status and K/V bytes
+/// must equal the host's.
+template <class Policy, class T>
+void run_split(std::uint32_t seed, input_kind kind, layout_kind layout) {
+  CAPTURE(seed);
+  CAPTURE(std::string(kvtest::name(kind)));
+  CAPTURE(std::string(kvtest::name(layout)));
+  std::mt19937 rng(seed);
+  kvtest::batch_dims dm;
+  dm.seqs = 2;
+  dm.heads = 2;
+  dm.group = kind == input_kind::head_scores ? 1 : 2;
+  dm.head_dim = 16;
+  dm.capacity = 2 * decode_tuning::tile + 1 + std::int32_t(rng() % 2500);
+  const std::int32_t cap = dm.capacity, B = dm.seqs, H = dm.heads, D = dm.head_dim;
+  typename policy_traits<Policy>::config_type config{};
+  if constexpr (std::is_same_v<Policy, h2o_policy>) config = h2o_config{cap / 2, cap - 1 - cap / 2};
+  else if constexpr (std::is_same_v<Policy, recent_window_policy>) config = recent_window_config{4, cap - 5};
+  else config = random_config{cap - 1, 2, 8, seed};
+  const policy_shape shape{B, H, dm.q_heads(), cap};
+  batched_policy<Policy> ref(shape, config);
+  raw_device_policy<Policy> dev(shape, config);
+  dev.force_split(1 + std::int32_t(seed % 2));
+  fill_state<Policy>(ref.state(), rng, cap + 5);
+  KVTEST_CUDA(gpu::copy_batch_state(dev.state(), ref.state(), cudaMemcpyHostToDevice, nullptr));
+  kvtest::host_state_mirror<Policy> mirror(shape, config);
+  kvtest::with_cache<T>(layout, B, H, cap, D, 16, [&](const auto& view) {
+    for (std::int32_t b = 0; b < B; ++b)
+      for (std::int32_t h = 0; h < H; ++h)
+        for (std::int32_t s = 0; s < cap; ++s)
+          if (row_is_mapped(view, b, s))
+            for (std::int32_t d = 0; d < D; ++d) {
+              view.k_row(b, h, s)[d] = kvtest::random_value<T>(rng);
+              view.v_row(b, h, s)[d] = kvtest::random_value<T>(rng);
+            }
+    kvtest::device_cache dcache(view);
+    device_buffer<std::int32_t> victims(std::size_t(B) * H);
+    for (std::int32_t step = 0; step < 4; ++step) {
+      CAPTURE(step);
+      kvtest::batch_step<T> st = kvtest::draw_step<T>(rng, dm, 0.0);
+      if (step == 3) inject_bad_input(rng, st, dm, kind);
+      const device_step<T> ds(st);
+      ref.append(view, batch_rows<T>{make_tensor_view<const T>(st.k_new.data(), B, H, D)},
+                 batch_rows<T>{make_tensor_view<const T>(st.v_new.data(), B, H, D)}, st.active_set());
+      dev.append(dcache.view, batch_rows<T>{make_tensor_view<const T>(ds.k_new.get(), B, H, D)},
+                 batch_rows<T>{make_tensor_view<const T>(ds.v_new.get(), B, H, D)}, ds.active(st));
+      std::vector<std::int32_t> want(std::size_t(B) * H, -7);
+      KVTEST_CUDA(cudaMemcpy(victims.get(), want.data(), want.size() * 4, cudaMemcpyHostToDevice));
+      observe(ref, kind, dm, st.probs.data(), st.logits.data(), st.increments.data(), st.lse.data(), st.q.data(),
+              st.scale, view, st.active_set(), want.data());
+      observe(dev, kind, dm, ds.probs.get(), ds.logits.get(), ds.increments.get(), ds.lse.get(), ds.q.get(), st.scale,
+              dcache.view, ds.active(st), victims.get());
+      CHECK(victims.download() == want);
+      CHECK(dev.status_word() == ref.status_word());
+      if (step < 3) REQUIRE(ref.status_word() == batch_status_clear);
+      mirror.read(dev.state());
+      kvtest::check_same_state(ref.state(), mirror.view);
+      CHECK(dcache.same_bytes_as(view));
+    }
+  });
+}
+
+}  // namespace
+
+TEST_CASE("cuda split rows: several blocks per row, every input kind and policy, a bad input in any chunk") {
+  std::uint32_t seed = 1;
+  const int stride = kvtest::quick_stride(3);
+  for (input_kind kind : kvtest::all_inputs)
+    for (layout_kind layout : {layout_kind::bhsd, layout_kind::paged_nhd})
+      for (int policy = 0; policy < 3; ++policy, ++seed) {
+        if (seed % stride != 0) continue;
+        auto run = [&](auto tag) {
+          using T = decltype(tag);
+          if (policy == 0) run_split<h2o_policy, T>(seed, kind, layout);
+          else if (policy == 1) run_split<recent_window_policy, T>(seed, kind, layout);
+          else run_split<random_policy, T>(seed, kind, layout);
+        };
+        switch ((seed / stride) % 3) {
+          case 0: run(float{}); break;
+          case 1: run(kvevict::half{}); break;
+          default: run(kvevict::bfloat16{}); break;
+        }
+      }
+}
 
 TEST_CASE("cuda: capacities from 2 to 128K slots, including sizes that are not multiples of the block") {
   for (std::int32_t cap : {2, 3, 255, 256, 257, 1000, 4097, 32768, 100003, 131072}) {

@@ -27,12 +27,21 @@ namespace {
 
 constexpr std::int32_t kSeqs = 4, kHeads = 3, kDim = 16, kCap = 24;
 
+/// The sizes of a stream: capacity, steps, tokens per append at most, and
+/// whether evict_to's targets range over [sinks + recent, budget] (many
+/// victims per head) rather than the budget and just below.
+struct stream_shape {
+  std::int32_t cap = kCap, steps = 20, max_tokens = 5;
+  bool wide_targets = false;
+};
+
 template <class Policy, class T>
 void run_multi_token(kvtest::layout_kind layout, const typename kv::policy_traits<Policy>::config_type& config,
-                     std::uint32_t seed) {
+                     std::uint32_t seed, const stream_shape& shape_of = {}) {
+  const std::int32_t cap = shape_of.cap;
   constexpr bool greedy = std::is_same_v<Policy, kv::exact_greedy_policy>;
   constexpr std::int32_t kGroup = greedy ? 2 : 1;  // exact_greedy sums its errors over a GQA group
-  const kv::policy_shape shape{kSeqs, kHeads, kHeads * kGroup, kCap};
+  const kv::policy_shape shape{kSeqs, kHeads, kHeads * kGroup, cap};
   const kv::history_extent history = greedy ? kv::history_extent{128, kDim} : kv::history_extent{};
   const std::int32_t budget = kv::policy_traits<Policy>::rule(config).budget;
   std::vector<unsigned char> host_memory(kv::batch_state_bytes<Policy>(shape, config, history));
@@ -45,17 +54,17 @@ void run_multi_token(kvtest::layout_kind layout, const typename kv::policy_trait
   KVTEST_CUDA(kv::gpu::init_batch_state(device, nullptr));
   kvtest::host_state_mirror<Policy> mirror(shape, config, history);
   std::mt19937 rng(seed);
-  kvtest::with_cache<T>(layout, kSeqs, kHeads, kCap, kDim, 4, [&](auto view) {
+  kvtest::with_cache<T>(layout, kSeqs, kHeads, cap, kDim, 4, [&](auto view) {
     for (std::int32_t b = 0; b < kSeqs; ++b)
       for (std::int32_t h = 0; h < kHeads; ++h)
-        for (std::int32_t s = 0; s < kCap; ++s)
+        for (std::int32_t s = 0; s < cap; ++s)
           if (kv::row_is_mapped(view, b, s))
             for (std::int32_t d = 0; d < kDim; ++d) {
               view.k_row(b, h, s)[d] = kvtest::random_value<T>(rng);
               view.v_row(b, h, s)[d] = kvtest::random_value<T>(rng);
             }
     kvtest::device_cache<T, decltype(view.layout)> cache(view);
-    std::vector<float> inc(std::size_t(kSeqs) * kHeads * kCap);
+    std::vector<float> inc(std::size_t(kSeqs) * kHeads * cap);
     device_buffer<float> d_inc(inc.size());
     std::vector<float> q(std::size_t(kSeqs) * kHeads * kGroup * kDim), lse(std::size_t(kSeqs) * kHeads * kGroup);
     device_buffer<float> d_q(q.size()), d_lse(std::vector<float>(lse.size(), 0.0f));
@@ -67,7 +76,7 @@ void run_multi_token(kvtest::layout_kind layout, const typename kv::policy_trait
     const kv::batch_queries<float> device_queries = queries_of(d_q.get(), d_lse.get());
     std::vector<std::uint8_t> flags(kSeqs);
     device_buffer<std::uint8_t> d_flags(flags.size());
-    std::vector<kv::slot_move> moves(std::size_t(kSeqs) * kHeads * kCap);
+    std::vector<kv::slot_move> moves(std::size_t(kSeqs) * kHeads * cap);
     std::vector<std::int32_t> counts(std::size_t(kSeqs) * kHeads);
     // The kernels write only active heads and their first move_counts moves:
     // start the device buffers equal to the host's, so whole downloads compare
@@ -76,8 +85,8 @@ void run_multi_token(kvtest::layout_kind layout, const typename kv::policy_trait
     device_buffer<std::int32_t> d_counts(counts);
     std::uint64_t host_status = kv::batch_status_clear;
     device_buffer<std::uint64_t> d_status(std::vector<std::uint64_t>{kv::batch_status_clear});
-    for (std::int32_t step = 0; step < 20; ++step) {
-      const std::int32_t tokens = 1 + std::int32_t(rng() % 5);
+    for (std::int32_t step = 0; step < shape_of.steps; ++step) {
+      const std::int32_t tokens = 1 + std::int32_t(rng() % std::uint32_t(shape_of.max_tokens));
       for (auto& f : flags) f = rng() % 4 != 0;
       d_flags.upload(flags);
       const auto active_host = kv::active_set::of_flags(flags.data());
@@ -95,14 +104,18 @@ void run_multi_token(kvtest::layout_kind layout, const typename kv::policy_trait
       } else {
         kv::batched_observe_evict(
             host, active_host,
-            kv::batch_head_scores{kv::make_tensor_view<const float>(inc.data(), kSeqs, kHeads, kCap)}, nullptr,
+            kv::batch_head_scores{kv::make_tensor_view<const float>(inc.data(), kSeqs, kHeads, cap)}, nullptr,
             &host_status);
         KVTEST_CUDA(kv::gpu::batched_observe_evict(
             device, active_device,
-            kv::batch_head_scores{kv::make_tensor_view<const float>(d_inc.get(), kSeqs, kHeads, kCap)}, nullptr,
+            kv::batch_head_scores{kv::make_tensor_view<const float>(d_inc.get(), kSeqs, kHeads, cap)}, nullptr,
             d_status.get(), nullptr));
       }
-      const std::int32_t target = budget - std::int32_t(rng() % 3);
+      const kv::protection protect = kv::policy_traits<Policy>::rule(config).protect;
+      const std::int32_t lowest = protect.sinks + protect.recent;
+      const std::int32_t target = shape_of.wide_targets
+                                      ? lowest + std::int32_t(rng() % std::uint32_t(budget - lowest + 1))
+                                      : budget - std::int32_t(rng() % 3);
       if (step % 2 == 0) {
         if constexpr (greedy) {
           kv::batched_evict_to(host, active_host, target, host_queries, view, counts.data(), &host_status);
@@ -126,8 +139,8 @@ void run_multi_token(kvtest::layout_kind layout, const typename kv::policy_trait
         const std::vector<kv::slot_move> got = d_moves.download();
         for (std::size_t bh = 0; bh < counts.size(); ++bh)
           for (std::int32_t i = 0; i < counts[bh]; ++i) {
-            CHECK(got[bh * kCap + std::size_t(i)].from == moves[bh * kCap + std::size_t(i)].from);
-            CHECK(got[bh * kCap + std::size_t(i)].to == moves[bh * kCap + std::size_t(i)].to);
+            CHECK(got[bh * cap + std::size_t(i)].from == moves[bh * cap + std::size_t(i)].from);
+            CHECK(got[bh * cap + std::size_t(i)].to == moves[bh * cap + std::size_t(i)].to);
           }
       }
       KVTEST_CUDA(cudaDeviceSynchronize());
@@ -148,7 +161,7 @@ void run_multi_token(kvtest::layout_kind layout, const typename kv::policy_trait
         for (std::int32_t b = 0; b < kSeqs; ++b)
           for (std::int32_t h = 0; h < kHeads; ++h)
             for (std::int32_t i = 0; i < counts[std::size_t(b * kHeads + h)]; ++i) {
-              const kv::slot_move m = moves[std::size_t(b * kHeads + h) * kCap + std::size_t(i)];
+              const kv::slot_move m = moves[std::size_t(b * kHeads + h) * cap + std::size_t(i)];
               std::memcpy(view.k_row(b, h, m.to), view.k_row(b, h, m.from), sizeof(T) * kDim);
               std::memcpy(view.v_row(b, h, m.to), view.v_row(b, h, m.from), sizeof(T) * kDim);
             }
@@ -179,6 +192,20 @@ TEST_CASE("CUDA multi-token append and evict_to equal the host backend, every po
   all_policies_and_layouts<float>();
   all_policies_and_layouts<kv::half>();
   all_policies_and_layouts<kv::bfloat16>();
+}
+
+TEST_CASE("CUDA evict_to on long rows equals the host: multi-block selection and refill, many victims per head") {
+  // 6000 slots: the victims come from the selection's several-blocks-per-row
+  // path (rows above 4096 keys), up to 1500 tokens arrive per step and the
+  // targets go down to sinks + recent, so the refill spreads its moves over
+  // several blocks, and paged rows are checked in several chunks.
+  const stream_shape large{6000, 12, 1500, true};
+  for (const auto layout : {kvtest::layout_kind::bhsd, kvtest::layout_kind::paged_hnd}) {
+    CAPTURE(kvtest::name(layout));
+    run_multi_token<kv::h2o_policy, kv::bfloat16>(layout, {3000, 1000}, 7, large);
+    run_multi_token<kv::recent_window_policy, kv::half>(layout, {4, 3996}, 8, large);
+    run_multi_token<kv::random_policy, float>(layout, {4000, 4, 100, 99}, 9, large);
+  }
 }
 
 TEST_CASE("CUDA observe + evict refuses an input narrower than a head's tokens, as the host does") {

@@ -13,6 +13,7 @@
 #include <cstring>
 
 #include "kvevict/batch/inputs.hpp"
+#include "kvevict/batch/row_partial.hpp"
 #include "kvevict/batch/score_sources.hpp"
 #include "kvevict/batch/state.hpp"
 #include "kvevict/batch/status.hpp"
@@ -68,36 +69,28 @@ bool row_scores(const Source&, std::int32_t, std::int32_t, const float*, const s
 template <class Source>
 std::uint64_t observe_evict_head(const batch_state_view& st, std::int32_t b, std::int32_t h, const Source& source,
                                  std::int32_t& victim) {
+  const std::uint64_t head = check_observe_head(st, source, b, h);
+  if (head != batch_status_clear) return head;
   const std::int64_t bh = st.head_index(b, h);
-  std::int32_t index = 0;
-  const batch_code head = check_observe_head(st, source, b, h, index);
-  if (head != batch_code::ok) return pack_status(b, h, index, head);
-  const std::int32_t count = st.slots.counts[bh];  // occupied: exactly [0, count) after an append
+  const std::int32_t count = st.slots.counts[bh], length = st.slots.lengths[b];  // occupied: exactly [0, count)
   const std::int32_t* positions = st.slots.positions_of(b, h);
   const float* current = st.scores_of(b, h);
   float* updated = st.spare_scores_of(b, h);
   // The hot path: whole rows, checked by reductions, bit for bit the per-slot rules.
   if (row_scores(source, b, h, current, positions, count, updated)) {
     if (count <= st.rule.budget) victim = -1;
-    else if (st.rule.victim == victim_rule::random_rank)
-      victim = pick_victim(st.rule, positions, updated, count, st.slots.lengths[b],
-                           st.streams ? st.streams[b] : std::uint64_t(b), h,
-                           st.victim_scratch ? st.victim_scratch + bh * st.capacity() : nullptr);
-    else victim = find_victim(st.rule, updated, positions, count, st.slots.lengths[b]);
+    else if (st.rule.victim == victim_rule::random_priority)
+      victim = pick_victim(st.rule, positions, updated, count, length, st.stream_of(b), h);
+    else victim = find_victim(st.rule, updated, positions, count, length);
     return batch_status_clear;
   }
-  for (std::int32_t s = 0; s < count; ++s) {
-    const slot_increment inc = source.increment(b, h, s);
-    if (inc.code != batch_code::ok) return pack_status(b, h, s, inc.code);
-    const float score = detail::add(current[s], inc.value);
-    if (classify_input(score, false) != batch_code::ok) return pack_status(b, h, s, batch_code::score_overflow);
-    updated[s] = score;
-  }
-  victim = count > st.rule.budget
-               ? pick_victim(st.rule, positions, updated, count, st.slots.lengths[b],
-                             st.streams ? st.streams[b] : std::uint64_t(b), h,
-                             st.victim_scratch ? st.victim_scratch + bh * st.capacity() : nullptr)
-               : -1;
+  // Slot by slot, as the kernels do: the first problem is the lowest slot's.
+  const victim_order order = st.order_of(b, h);
+  row_partial part;
+  for (std::int32_t s = 0; s < count && part.problem == batch_status_clear; ++s)
+    observe_slot(st.rule, order, b, h, s, positions[s], length, current[s], source.increment(b, h, s), updated, part);
+  if (part.problem != batch_status_clear) return part.problem;
+  victim = count > st.rule.budget ? part.slot : -1;
   return batch_status_clear;
 }
 
@@ -190,7 +183,7 @@ std::uint64_t exact_greedy_head(const batch_state_view& st, std::int32_t b, std:
   float* updated = st.spare_scores_of(b, h);
   for (std::int32_t s = 0; s < count; ++s) updated[s] = static_cast<float>(errors[s]);
   victim = count > st.rule.budget
-               ? pick_victim(st.rule, positions, updated, count, length, std::uint64_t(b), h, nullptr)
+               ? pick_victim(st.rule, positions, updated, count, length, std::uint64_t(b), h)
                : -1;
   hv.rows[bh] = length;
   return batch_status_clear;

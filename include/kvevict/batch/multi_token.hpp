@@ -61,35 +61,36 @@ void require_greedy_queries(const site& w, const batch_state_view& st, const bat
   require_lse_base(w, "base", in.base);
 }
 
+/// What evict_to did to one (b, h).
+struct evict_to_result {
+  std::int32_t freed = 0;  ///< tokens freed
+  std::int32_t moves = 0;  ///< rows moved
+};
+
 /// evict_to of one (b, h): free_victims(count) frees the surplus over
-/// `target` and returns how many; then the holes are refilled, on_move(from,
-/// to) per row move. Returns the tokens freed. The caller checked the head.
+/// `target` and returns how many; then the holes are refilled,
+/// on_move(i, from, to) per row move. The caller checked the head.
 template <class FreeVictims, class OnMove>
-std::int32_t evict_to_head(const batch_state_view& st, std::int32_t b, std::int32_t h, FreeVictims free_victims,
-                           OnMove on_move) {
+evict_to_result evict_to_head(const batch_state_view& st, std::int32_t b, std::int32_t h, FreeVictims free_victims,
+                              OnMove on_move) {
   const std::int64_t bh = st.head_index(b, h);
-  std::int32_t* positions = st.slots.positions_of(b, h);
-  float* scores = st.scores_of(b, h);
   std::int32_t* scratch = st.victim_scratch + bh * st.capacity();
   const std::int32_t count = st.slots.counts[bh];
-  const std::int32_t freed = free_victims(count);
-  if (freed == 0) return 0;
-  st.slots.counts[bh] = count - freed;
-  refill_holes(positions, scores, st.capacity(), count - freed, st.rule.budget, scratch, st.slots.next_slots[bh],
-               on_move);
-  // Free slots beyond the new span must read 0 in the spare buffer too:
-  // observe + evict rewrites only [0, count) there before switching buffers.
-  float* spare = st.spare_scores_of(b, h);
-  for (std::int32_t s = 0; s < st.capacity(); ++s)
-    if (positions[s] < 0) spare[s] = 0.0f;
-  return freed;
+  const std::int32_t end = occupied_end(count, st.slots.next_slots[bh]);
+  evict_to_result r;
+  r.freed = free_victims(count);
+  if (r.freed == 0) return r;
+  st.slots.counts[bh] = count - r.freed;
+  r.moves = refill_holes(st.slots.positions_of(b, h), st.scores_of(b, h), st.spare_scores_of(b, h), count - r.freed,
+                         st.rule.budget, end, scratch, st.slots.next_slots[bh], on_move);
+  return r;
 }
 
 /// The victims of the score-based policies and random (free_surplus).
 inline auto rule_victims(const batch_state_view& st, std::int32_t b, std::int32_t h, std::int32_t target) {
   return [&st, b, h, target](std::int32_t count) {
     return free_surplus(st.rule, st.slots.positions_of(b, h), st.scores_of(b, h), st.capacity(), count,
-                        st.slots.lengths[b], target, st.streams ? st.streams[b] : std::uint64_t(b), h,
+                        st.slots.lengths[b], target, st.stream_of(b), h,
                         st.victim_scratch + st.head_index(b, h) * st.capacity());
   };
 }
@@ -120,7 +121,7 @@ auto greedy_victims(const batch_state_view& st, std::int32_t b, std::int32_t h, 
       for (std::int32_t s = 0, i = 0; s < st.capacity(); ++s)
         if (positions[s] >= 0) scores[s] = static_cast<float>(errors[i++]);
       const std::int32_t victim = pick_victim(st.rule, positions, scores, st.capacity(), length, std::uint64_t(b),
-                                              h, nullptr);  // target >= sinks + recent: one exists
+                                              h);  // target >= sinks + recent: one exists
       positions[victim] = -1;
       scores[victim] = 0.0f;
     }
@@ -128,24 +129,64 @@ auto greedy_victims(const batch_state_view& st, std::int32_t b, std::int32_t h, 
   };
 }
 
-/// Why (b, h) cannot take evict_to: appended but not observed, or (with a
-/// cache) a row it may touch is not mapped; for exact_greedy (`queries`
-/// given) also a history that does not hold the whole sequence, or
-/// non-finite queries. Checks in the kernel's order.
+/// evict_to's checks of a (b, h), in the order both devices make them, as
+/// keys whose minimum is the first that fails (threads of a kernel each
+/// check a share and reduce): appended but not observed; then, for a head
+/// above the target, exact_greedy's history and queries, and the pages of
+/// every slot the call may touch.
+struct evict_to_check {
+  enum class stage : std::uint32_t { not_observed = 0, history_gap = 1, query = 2, bad_page = 3 };
+  static constexpr std::uint64_t none = ~std::uint64_t{0};
+
+  KVEVICT_HOST_DEVICE static std::uint64_t key(stage s, std::int32_t index) noexcept {
+    return std::uint64_t(s) << 32 | std::uint32_t(index);
+  }
+  KVEVICT_HOST_DEVICE static std::uint64_t word(std::uint64_t key, std::int32_t b, std::int32_t h) noexcept {
+    if (key == none) return batch_status_clear;
+    const std::int32_t index = static_cast<std::int32_t>(key & 0xFFFFFFFFu);
+    switch (static_cast<stage>(key >> 32)) {
+      case stage::not_observed: return pack_status(b, h, index, batch_code::not_observed);
+      case stage::history_gap: return pack_status(b, h, index, batch_code::history_gap);
+      case stage::query: return pack_status(b, h, index, batch_code::non_finite_query);
+      default: return pack_status(b, h, index, batch_code::bad_page);
+    }
+  }
+  /// Slot s may be touched: it is occupied, or a kept row may land there.
+  KVEVICT_HOST_DEVICE static bool touches(std::int32_t position, std::int32_t s, std::int32_t target) noexcept {
+    return position >= 0 || s <= target;
+  }
+};
+
+/// Slot j's key in evict_to's victim selection of (b, h) (the CUDA path
+/// selects the lowest count - target of these in one pass): the step's
+/// victim key of an unprotected occupied slot; all ones for a free or
+/// protected slot, never taken, since a head gives at most its unprotected
+/// tokens (target >= sinks + recent). The host's free_surplus takes the same
+/// victims among the unprotected alone.
+KVEVICT_HOST_DEVICE inline std::uint64_t evict_to_key(const batch_state_view& st, std::int32_t b, std::int32_t h,
+                                                      const victim_order& order, std::int32_t j) noexcept {
+  const std::int32_t p = st.slots.positions_of(b, h)[j];
+  if (p < 0 || st.rule.protect.covers(p, st.slots.lengths[b])) return ~std::uint64_t{0};
+  return order.key(st.scores_of(b, h)[j], p);
+}
+
+/// Why (b, h) cannot take evict_to (evict_to_check), or batch_status_clear.
 template <class Mapped, class Queries = std::nullptr_t>
 std::uint64_t evict_to_problem(const batch_state_view& st, std::int32_t b, std::int32_t h, std::int32_t target,
                                Mapped mapped, const Queries* queries = nullptr) {
+  using check = evict_to_check;
   const std::int64_t bh = st.head_index(b, h);
-  if (st.appended[bh]) return pack_status(b, h, 0, batch_code::not_observed);
+  if (st.appended[bh]) return check::word(check::key(check::stage::not_observed, 0), b, h);
   if (st.slots.counts[bh] <= target) return batch_status_clear;
   if constexpr (!std::is_same_v<Queries, std::nullptr_t>) {
-    if (st.history.rows[bh] != st.slots.lengths[b]) return pack_status(b, h, 0, batch_code::history_gap);
+    if (st.history.rows[bh] != st.slots.lengths[b]) return check::word(check::key(check::stage::history_gap, 0), b, h);
     const std::uint64_t problem = query_problem(st, b, h, *queries);
     if (problem != batch_status_clear) return problem;
   }
   const std::int32_t* positions = st.slots.positions_of(b, h);
   for (std::int32_t s = 0; s < st.capacity(); ++s)
-    if ((positions[s] >= 0 || s <= target) && !mapped(s)) return pack_status(b, h, s, batch_code::bad_page);
+    if (check::touches(positions[s], s, target) && !mapped(s))
+      return check::word(check::key(check::stage::bad_page, s), b, h);
   return batch_status_clear;
 }
 
@@ -163,11 +204,12 @@ void evict_to_all(const batch_state_view& st, const active_set& active, const kv
         record_status(status, problem);
         continue;
       }
-      const std::int32_t n = evict_to_head(st, b, h, victims_of(b, h), [&](std::int32_t from, std::int32_t to) {
-        std::memcpy(cache.k_row(b, h, to), cache.k_row(b, h, from), sizeof(T) * std::size_t(cache.head_dim));
-        std::memcpy(cache.v_row(b, h, to), cache.v_row(b, h, from), sizeof(T) * std::size_t(cache.head_dim));
-      });
-      if (freed) freed[bh] = n;
+      const evict_to_result r =
+          evict_to_head(st, b, h, victims_of(b, h), [&](std::int32_t, std::int32_t from, std::int32_t to) {
+            std::memcpy(cache.k_row(b, h, to), cache.k_row(b, h, from), sizeof(T) * std::size_t(cache.head_dim));
+            std::memcpy(cache.v_row(b, h, to), cache.v_row(b, h, from), sizeof(T) * std::size_t(cache.head_dim));
+          });
+      if (freed) freed[bh] = r.freed;
     }
   });
 }
@@ -186,9 +228,9 @@ void evict_to_all(const batch_state_view& st, const active_set& active, slot_mov
         continue;
       }
       slot_move* out = moves + bh * st.capacity();
-      evict_to_head(st, b, h, victims_of(b, h), [&](std::int32_t from, std::int32_t to) {
-        out[move_counts[bh]++] = slot_move{from, to};
-      });
+      move_counts[bh] = evict_to_head(st, b, h, victims_of(b, h), [&](std::int32_t i, std::int32_t from,
+                                                                      std::int32_t to) { out[i] = slot_move{from, to}; })
+                            .moves;
     }
   });
 }

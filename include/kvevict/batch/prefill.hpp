@@ -14,7 +14,7 @@
 // the sequence holds no token in the state (a fresh or reset sequence).
 //
 // Per (sequence b, KV head h), with the policy read from the state's rule
-// (victim_rule lowest_score: h2o; oldest: recent_window; random_rank: random):
+// (victim_rule lowest_score: h2o; oldest: recent_window; random_priority: random):
 //
 //   - scores: column p of query head q sums probs(q, i, p) over rows i >= p
 //     in the canonical order of policy/column_sums.hpp, and the group's
@@ -189,7 +189,7 @@ struct prefill_keys {
   std::uint64_t seed = 0;
   const float* scores = nullptr;           ///< lowest_score: segment i's score of position p at scores[i * score_stride + p]
   std::int64_t score_stride = 0;
-  const std::uint64_t* streams = nullptr;  ///< random_rank: entry e's request stream at streams[e]
+  const std::uint64_t* streams = nullptr;  ///< random_priority: entry e's request stream at streams[e]
 
   KVEVICT_HOST_DEVICE std::int32_t length(std::int32_t i) const noexcept { return lengths[i]; }
   KVEVICT_HOST_DEVICE bool ordered_by_index() const noexcept { return true; }
@@ -197,7 +197,7 @@ struct prefill_keys {
   KVEVICT_HOST_DEVICE std::uint64_t key(std::int32_t i, std::int32_t j, select_end end) const noexcept {
     const std::int32_t p = first + j;
     std::uint64_t k = 0;
-    if (rule == victim_rule::random_rank) {
+    if (rule == victim_rule::random_priority) {
       const std::uint32_t draw = random_draw(seed, random_use::prefill_priority, streams[i / heads], i % heads, p);
       k = (static_cast<std::uint64_t>(draw) << 32) | static_cast<std::uint32_t>(p);
     } else {
@@ -588,7 +588,7 @@ void host_prefill(const batch_state_view& st, const active_set& active, const pr
     const prefill_plan plan = plan_prefill(st.rule, length);
     if (plan.select) {
       std::fill(candidates.begin(), candidates.end(), plan.candidates());
-      const std::uint64_t stream = st.streams ? st.streams[b] : std::uint64_t(b);
+      const std::uint64_t stream = st.stream_of(b);
       keys.streams = &stream;
       selection_output out;
       out.indices = chosen.data();

@@ -1,17 +1,21 @@
 #pragma once
-// One adapter per batched score input (inputs.hpp) with the same three
-// calls, so a single observe + evict loop, on the host or in a kernel, serves
-// them all:
+// One adapter per batched score input (inputs.hpp) with the same calls, so a
+// single observe + evict loop, on the host or in a kernel, serves them all:
 //
-//   std::int32_t columns()              // slots the input has a value for
-//   batch_code check_head(b, h, index)  // per-(b, h) inputs: LSE, query rows
-//   slot_increment increment(b, h, s)   // slot s's increment, folded over the group
+//   std::int32_t columns()                       // slots the input has a value for
+//   std::uint64_t check_head_share(b, h, t, n)   // per-(b, h) inputs (LSE, query rows):
+//                                                // thread t of n checks its share (head_check keys)
+//   void fold_items<N>(b, h, s[N], inc[N])       // N slots' increments, folded over the group
+//   slot_increment increment(b, h, s)            // one slot's
 //
-// All are KVEVICT_HOST_DEVICE and built from decode_rules.hpp;
-// check_observe_head runs the checks of a (b, h) in the order both devices use.
+// fold_items issues every load of a query head for its N slots before it
+// looks at any value (group_fold), so a GPU thread keeps N loads in flight.
+// All are KVEVICT_HOST_DEVICE and built from decode_rules.hpp.
 #include <cstdint>
 
 #include "kvevict/batch/inputs.hpp"
+#include "kvevict/batch/launch_shape.hpp"
+#include "kvevict/batch/row_partial.hpp"
 #include "kvevict/batch/state.hpp"
 #include "kvevict/batch/status.hpp"
 #include "kvevict/config.hpp"
@@ -22,15 +26,22 @@
 namespace kvevict {
 namespace detail {
 
-/// Checks lse(b, q) for the query heads of group h.
-KVEVICT_HOST_DEVICE inline batch_code check_group_lse(const tensor_view<const float, 2>& lse, std::int32_t b,
-                                                      std::int32_t h, std::int32_t g, std::int32_t& index) noexcept {
-  for (std::int32_t q = h * g; q < (h + 1) * g; ++q)
-    if (classify_input(lse(b, q), false) != batch_code::ok) {
-      index = q;
-      return batch_code::non_finite_lse;
-    }
-  return batch_code::ok;
+/// Thread t of n's share of the LSE checks of group h: lse(b, q) finite.
+KVEVICT_HOST_DEVICE inline std::uint64_t check_group_lse(const tensor_view<const float, 2>& lse, std::int32_t b,
+                                                         std::int32_t h, std::int32_t g, std::int32_t t,
+                                                         std::int32_t n) noexcept {
+  std::uint64_t key = head_check::none;
+  for (std::int32_t j = t; j < g; j += n)
+    if (classify_input(lse(b, h * g + j), false) != batch_code::ok)
+      key = lower_of(key, head_check::key(head_check::stage::lse, h * g + j));
+  return key;
+}
+
+/// The probability of a logit (or the logit itself when it is not finite,
+/// so that it is what gets reported).
+KVEVICT_HOST_DEVICE inline float logit_value(float logit, float scale, float lse, lse_base base) noexcept {
+  if (classify_input(logit, false) != batch_code::ok) return logit;
+  return probability_from_logit(logit, scale, lse, base);
 }
 
 }  // namespace detail
@@ -40,13 +51,30 @@ struct score_source;
 
 template <>
 struct score_source<batch_probs> {
+  static constexpr int items = decode_tuning::items;  ///< slots a GPU thread folds at once
+  static constexpr int min_blocks = decode_tuning::blocks_per_sm;  ///< its kernel's __launch_bounds__
   batch_probs in;
   std::int32_t group_size;
   group_reduce reduce;
 
   KVEVICT_HOST_DEVICE std::int32_t columns() const noexcept { return in.probs.extents[2]; }
-  KVEVICT_HOST_DEVICE batch_code check_head(std::int32_t, std::int32_t, std::int32_t&) const noexcept {
-    return batch_code::ok;
+  KVEVICT_HOST_DEVICE std::uint64_t check_head_share(std::int32_t, std::int32_t, std::int32_t,
+                                                     std::int32_t) const noexcept {
+    return head_check::none;
+  }
+  template <int N>
+  KVEVICT_HOST_DEVICE void fold_items(std::int32_t b, std::int32_t h, const std::int32_t (&s)[N],
+                                      slot_increment (&inc)[N]) const noexcept {
+    group_fold fold[N];
+    for (std::int32_t q = h * group_size; q < (h + 1) * group_size; ++q) {
+      float x[N];
+      KVEVICT_UNROLL
+      for (int u = 0; u < N; ++u) x[u] = in.probs(b, q, s[u]);
+      KVEVICT_UNROLL
+      for (int u = 0; u < N; ++u) fold[u].add(x[u], q, reduce, true);
+    }
+    KVEVICT_UNROLL
+    for (int u = 0; u < N; ++u) inc[u] = fold[u].finish(reduce, group_size);
   }
   KVEVICT_HOST_DEVICE slot_increment increment(std::int32_t b, std::int32_t h, std::int32_t s) const noexcept {
     return fold_group(h * group_size, group_size, reduce, true, [&](std::int32_t q) { return in.probs(b, q, s); });
@@ -55,15 +83,31 @@ struct score_source<batch_probs> {
 
 template <>
 struct score_source<batch_head_scores> {
+  static constexpr int items = decode_tuning::items;
+  static constexpr int min_blocks = decode_tuning::blocks_per_sm;
   batch_head_scores in;
   std::int32_t group_size;
   group_reduce reduce;
 
   KVEVICT_HOST_DEVICE std::int32_t columns() const noexcept { return in.scores.extents[2]; }
-  KVEVICT_HOST_DEVICE batch_code check_head(std::int32_t, std::int32_t, std::int32_t&) const noexcept {
-    return batch_code::ok;
+  KVEVICT_HOST_DEVICE std::uint64_t check_head_share(std::int32_t, std::int32_t, std::int32_t,
+                                                     std::int32_t) const noexcept {
+    return head_check::none;
   }
   /// Increments are added as given: finite, of any sign.
+  template <int N>
+  KVEVICT_HOST_DEVICE void fold_items(std::int32_t b, std::int32_t h, const std::int32_t (&s)[N],
+                                      slot_increment (&inc)[N]) const noexcept {
+    float x[N];
+    KVEVICT_UNROLL
+    for (int u = 0; u < N; ++u) x[u] = in.scores(b, h, s[u]);
+    KVEVICT_UNROLL
+    for (int u = 0; u < N; ++u) {
+      group_fold fold;
+      fold.add(x[u], h, group_reduce::sum, false);
+      inc[u] = fold.finish(group_reduce::sum, 1);
+    }
+  }
   KVEVICT_HOST_DEVICE slot_increment increment(std::int32_t b, std::int32_t h, std::int32_t s) const noexcept {
     return fold_group(h, 1, group_reduce::sum, false, [&](std::int32_t) { return in.scores(b, h, s); });
   }
@@ -71,21 +115,37 @@ struct score_source<batch_head_scores> {
 
 template <>
 struct score_source<batch_logits> {
+  static constexpr int items = decode_tuning::items;
+  static constexpr int min_blocks = decode_tuning::blocks_per_sm;
   batch_logits in;
   std::int32_t group_size;
   group_reduce reduce;
 
   KVEVICT_HOST_DEVICE std::int32_t columns() const noexcept { return in.logits.extents[2]; }
-  KVEVICT_HOST_DEVICE batch_code check_head(std::int32_t b, std::int32_t h, std::int32_t& index) const noexcept {
-    return detail::check_group_lse(in.lse, b, h, group_size, index);
+  KVEVICT_HOST_DEVICE std::uint64_t check_head_share(std::int32_t b, std::int32_t h, std::int32_t t,
+                                                     std::int32_t n) const noexcept {
+    return detail::check_group_lse(in.lse, b, h, group_size, t, n);
+  }
+  /// A NaN logit gives a NaN probability and an infinite one an infinite or
+  /// zero probability; the logit itself is reported.
+  template <int N>
+  KVEVICT_HOST_DEVICE void fold_items(std::int32_t b, std::int32_t h, const std::int32_t (&s)[N],
+                                      slot_increment (&inc)[N]) const noexcept {
+    group_fold fold[N];
+    for (std::int32_t q = h * group_size; q < (h + 1) * group_size; ++q) {
+      const float lse = in.lse(b, q);
+      float x[N];
+      KVEVICT_UNROLL
+      for (int u = 0; u < N; ++u) x[u] = in.logits(b, q, s[u]);
+      KVEVICT_UNROLL
+      for (int u = 0; u < N; ++u) fold[u].add(detail::logit_value(x[u], in.scale, lse, in.base), q, reduce, true);
+    }
+    KVEVICT_UNROLL
+    for (int u = 0; u < N; ++u) inc[u] = fold[u].finish(reduce, group_size);
   }
   KVEVICT_HOST_DEVICE slot_increment increment(std::int32_t b, std::int32_t h, std::int32_t s) const noexcept {
     return fold_group(h * group_size, group_size, reduce, true, [&](std::int32_t q) {
-      const float logit = in.logits(b, q, s);
-      // A NaN logit gives a NaN probability and an infinite one an infinite
-      // or zero probability; report the logit itself.
-      if (classify_input(logit, false) != batch_code::ok) return logit;
-      return probability_from_logit(logit, in.scale, in.lse(b, q), in.base);
+      return detail::logit_value(in.logits(b, q, s), in.scale, in.lse(b, q), in.base);
     });
   }
 };
@@ -93,6 +153,9 @@ struct score_source<batch_logits> {
 /// Queries + LSE: logits recomputed from the cached keys of `cache`.
 template <class Q, class T, class Layout>
 struct query_source {
+  /// One slot at a time: its key row's vector loads are already many.
+  static constexpr int items = 1;
+  static constexpr int min_blocks = 2;
   batch_queries<Q> in;
   kv_view<T, Layout> cache;
   std::int32_t group_size;
@@ -100,16 +163,25 @@ struct query_source {
 
   /// Every slot of the cache has a key.
   KVEVICT_HOST_DEVICE std::int32_t columns() const noexcept { return cache.capacity; }
-  KVEVICT_HOST_DEVICE batch_code check_head(std::int32_t b, std::int32_t h, std::int32_t& index) const noexcept {
-    const batch_code lse = detail::check_group_lse(in.lse, b, h, group_size, index);
-    if (lse != batch_code::ok) return lse;
-    for (std::int32_t q = h * group_size; q < (h + 1) * group_size; ++q)
-      for (std::int32_t d = 0; d < cache.head_dim; ++d)
-        if (classify_input(to_float(in.q(b, q, d)), false) != batch_code::ok) {
-          index = q;
-          return batch_code::non_finite_query;
-        }
-    return batch_code::ok;
+  /// The LSE checks, then every element of the group's query rows.
+  KVEVICT_HOST_DEVICE std::uint64_t check_head_share(std::int32_t b, std::int32_t h, std::int32_t t,
+                                                     std::int32_t n) const noexcept {
+    std::uint64_t key = detail::check_group_lse(in.lse, b, h, group_size, t, n);
+    const std::int32_t d = cache.head_dim;
+    for (std::int64_t i = t; i < std::int64_t{group_size} * d; i += n) {
+      const std::int32_t q = h * group_size + static_cast<std::int32_t>(i / d);
+      if (classify_input(to_float(in.q(b, q, static_cast<std::int32_t>(i % d))), false) != batch_code::ok)
+        key = lower_of(key, head_check::key(head_check::stage::query, q));
+    }
+    return key;
+  }
+  /// Slot by slot: each reads its key row once per query head (the first
+  /// time from memory, then from cache).
+  template <int N>
+  KVEVICT_HOST_DEVICE void fold_items(std::int32_t b, std::int32_t h, const std::int32_t (&s)[N],
+                                      slot_increment (&inc)[N]) const noexcept {
+    KVEVICT_UNROLL
+    for (int u = 0; u < N; ++u) inc[u] = increment(b, h, s[u]);
   }
   KVEVICT_HOST_DEVICE slot_increment increment(std::int32_t b, std::int32_t h, std::int32_t s) const noexcept {
     if (!row_is_mapped(cache, b, s)) {
@@ -120,29 +192,37 @@ struct query_source {
     const T* key = cache.k_row(b, h, s);
     return fold_group(h * group_size, group_size, reduce, true, [&](std::int32_t q) {
       const float logit = attention_logit(&in.q(b, q, 0), in.q.strides[2], key, cache.head_dim);
-      if (classify_input(logit, false) != batch_code::ok) return logit;  // a non-finite key
-      return probability_from_logit(logit, in.scale, in.lse(b, q), in.base);
+      return detail::logit_value(logit, in.scale, in.lse(b, q), in.base);
     });
   }
 };
 
 namespace detail {
 
-/// The checks of (b, h) before observe + evict reads its slots, in the order
-/// both devices make them: an append since the last observe; a value in the
-/// input for every occupied slot (the argument check asks for budget + 1
-/// columns, and a multi-token append takes a head beyond that: index = the
-/// slots held); then the source's per-head inputs.
+/// Thread t of n's share of the checks of (b, h) before observe + evict
+/// reads its slots (head_check; reduce the shares by their minimum): an
+/// append since the last observe; a value in the input for every occupied
+/// slot (the argument check asks for budget + 1 columns, and a multi-token
+/// append takes a head beyond that: index = the slots held); then the
+/// source's per-head inputs.
 template <class Source>
-KVEVICT_HOST_DEVICE batch_code check_observe_head(const batch_state_view& st, const Source& source, std::int32_t b,
-                                                  std::int32_t h, std::int32_t& index) noexcept {
-  const std::int64_t bh = st.head_index(b, h);
-  if (!st.appended[bh]) return batch_code::not_appended;
-  if (st.slots.counts[bh] > source.columns()) {
-    index = st.slots.counts[bh];
-    return batch_code::narrow_input;
+KVEVICT_HOST_DEVICE std::uint64_t head_check_share(const batch_state_view& st, const Source& source, std::int32_t b,
+                                                   std::int32_t h, std::int32_t t, std::int32_t n) noexcept {
+  std::uint64_t key = source.check_head_share(b, h, t, n);
+  if (t == 0) {
+    const std::int64_t bh = st.head_index(b, h);
+    const std::int32_t count = st.slots.counts[bh];
+    if (count > source.columns()) key = lower_of(key, head_check::key(head_check::stage::narrow_input, count));
+    if (!st.appended[bh]) key = head_check::key(head_check::stage::not_appended, 0);
   }
-  return source.check_head(b, h, index);
+  return key;
+}
+
+/// The status word of the checks of (b, h), made by one thread.
+template <class Source>
+KVEVICT_HOST_DEVICE std::uint64_t check_observe_head(const batch_state_view& st, const Source& source, std::int32_t b,
+                                                     std::int32_t h) noexcept {
+  return head_check::word(head_check_share(st, source, b, h, 0, 1), b, h);
 }
 
 }  // namespace detail

@@ -15,16 +15,20 @@
 // buffer and writes the updated ones to the other, and switches that head's
 // score_buffer only if every input was good. So bad input leaves (b, h)
 // exactly as it was without a second pass over the inputs, on every device.
-// Free slots hold 0 in the current buffer; the other buffer is scratch.
+// Free slots hold 0 in both buffers; an occupied slot's other buffer is
+// scratch.
 #include <cstddef>
 #include <cstdint>
 #include <type_traits>
 
+#include "kvevict/batch/launch_shape.hpp"
+#include "kvevict/batch/row_partial.hpp"
 #include "kvevict/config.hpp"
 #include "kvevict/error.hpp"
 #include "kvevict/policy/decode_rules.hpp"
 #include "kvevict/policy/leave_one_out.hpp"
 #include "kvevict/policy/policy_shape.hpp"
+#include "kvevict/select/device_plan.hpp"
 #include "kvevict/slot_table.hpp"
 
 namespace kvevict {
@@ -54,6 +58,30 @@ struct history_extent {
   std::int32_t head_dim = 0;
 };
 
+/// evict_to's plan of one (b, h) on CUDA, kept between its kernels: the row
+/// as it was, how many tokens it keeps (-1: the head stays unchanged) and
+/// the step's victim key. `check` gathers the blocks' failed checks (the
+/// lowest evict_to_check key) and is all ones between calls.
+struct evict_to_plan {
+  std::uint64_t check = ~std::uint64_t{0};
+  victim_order order;
+  std::int32_t count = 0;
+  std::int32_t next = -1;
+  std::int32_t kept = -1;
+};
+
+/// What the CUDA kernels need beside the state, reserved with it so that no
+/// call allocates: the host backend leaves it alone.
+struct device_workspace {
+  row_partial* partials = nullptr;        ///< [B][H][max_row_chunks(capacity)]: blocks of a split row (null
+                                          ///< when a row fits one tile)
+  std::uint32_t* arrivals = nullptr;      ///< [B][H]: blocks of a split row done; 0 between calls
+  evict_to_plan* evict_plans = nullptr;   ///< [B][H]
+  std::int32_t* evict_counts = nullptr;   ///< [B][H]: victims per head, the selection's counts
+  unsigned char* select = nullptr;        ///< evict_to's victim selection (cuda/segmented_select.cuh)
+  std::size_t select_bytes = 0;
+};
+
 struct batch_state_view {
   slot_table_view slots;                 ///< positions [B][H][capacity], counts, next_slots [B][H], lengths [B]
   float* scores = nullptr;               ///< [2][B][H][capacity]: two buffers, see score_buffer
@@ -62,6 +90,7 @@ struct batch_state_view {
   std::uint64_t* streams = nullptr;      ///< [B]: random's request streams (null for other policies)
   std::int32_t* victim_scratch = nullptr;  ///< [B][H][capacity] scratch: random's candidates, evict_to's holes
   history_view history;                  ///< exact_greedy only (null pointers otherwise)
+  device_workspace work;                 ///< the CUDA kernels' (unused on the host)
   decode_rule rule;
   std::int32_t num_q_heads = 0;
 
@@ -80,6 +109,14 @@ struct batch_state_view {
   KVEVICT_HOST_DEVICE float* spare_scores_of(std::int32_t b, std::int32_t h) const noexcept {
     return buffer_of(b, h, 1 - score_buffer[head_index(b, h)]);
   }
+  /// random's request stream of sequence b (the sequence index without streams).
+  KVEVICT_HOST_DEVICE std::uint64_t stream_of(std::int32_t b) const noexcept {
+    return streams ? streams[b] : static_cast<std::uint64_t>(b);
+  }
+  /// The victim key of (b, h)'s current step (its newest position is length(b) - 1).
+  KVEVICT_HOST_DEVICE victim_order order_of(std::int32_t b, std::int32_t h) const noexcept {
+    return rule.order(stream_of(b), h, slots.lengths[b]);
+  }
   KVEVICT_HOST_DEVICE float* buffer_of(std::int32_t b, std::int32_t h, std::int32_t which) const noexcept {
     const std::int64_t heads = std::int64_t{slots.num_seqs} * slots.num_heads;
     return scores + (which * heads + head_index(b, h)) * slots.capacity;
@@ -89,6 +126,23 @@ struct batch_state_view {
 static_assert(std::is_trivially_copyable_v<batch_state_view>, "the state view goes to kernels by value");
 
 namespace detail {
+
+/// The bytes of evict_to's victim selection over every (b, h) row of
+/// `capacity` slots: the plan the CUDA launcher makes for the most rows.
+inline std::size_t evict_select_bytes(const site& w, std::int64_t heads, std::int32_t capacity) {
+  struct row_keys {  // the shapes of the selection; ascending slot order is all evict_to needs
+    std::int32_t num_segments, max_length;
+    bool ordered_by_index() const noexcept { return true; }
+  };
+  if (heads > 0x7FFFFFFF) fail<invalid_argument>(w, "shape", "has ", heads, " (sequence, head) rows, above 2^31 - 1");
+  std::int32_t stand_in = 0;
+  selection_output out;
+  out.indices = &stand_in;
+  out.index_stride = capacity;
+  const auto plan = gpu::detail::plan_selection<gpu::detail::segmented_select_tuning>(
+      w, row_keys{static_cast<std::int32_t>(heads), capacity}, selection_count{0, &stand_in}, out, nullptr);
+  return gpu::detail::workspace_bytes_of(plan);
+}
 
 // Carves aligned sub-buffers out of [memory, memory + bytes); with a null
 // memory it only counts, which is how the size query and the carve share
@@ -146,6 +200,13 @@ batch_state_view carve_state(void* memory, const policy_shape& shape, const deco
     hv.cached = c.take<std::uint8_t>(rows);
     hv.work = c.take<double>(heads * hv.work_doubles());
   }
+  device_workspace& dw = v.work;
+  if (max_row_chunks(shape.capacity) > 1) dw.partials = c.take<row_partial>(heads * max_row_chunks(shape.capacity));
+  dw.arrivals = c.take<std::uint32_t>(heads);
+  dw.evict_plans = c.take<evict_to_plan>(heads);
+  dw.evict_counts = c.take<std::int32_t>(heads);
+  dw.select_bytes = evict_select_bytes(site{policy_traits<Policy>::name, "batch_state_bytes"}, heads, shape.capacity);
+  dw.select = c.take<unsigned char>(static_cast<std::int64_t>(dw.select_bytes));
   v.rule = rule;
   v.num_q_heads = shape.num_q_heads;
   if (bytes) *bytes = c.bytes();

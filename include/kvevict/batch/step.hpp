@@ -13,16 +13,27 @@
 namespace kvevict {
 namespace detail {
 
-/// The checks of append for sequence b: every head has a free slot and
-/// mapped(slot) holds for it (a paged cache's page id is in the pool).
-/// Returns the status word of the first problem, or batch_status_clear.
+/// The check of append for head h of sequence b: a free slot, and
+/// mapped(slot) for it (a paged cache's page id is in the pool). The status
+/// word of the problem, or batch_status_clear; over the heads the lowest
+/// word is the first head's, so threads may check a head each and reduce.
+KVEVICT_EXEC_CHECK_DISABLE
+template <class Mapped>
+KVEVICT_HOST_DEVICE std::uint64_t append_head_problem(const batch_state_view& st, std::int32_t b, std::int32_t h,
+                                                      Mapped mapped) noexcept {
+  const std::int32_t slot = st.slots.next_slots[st.head_index(b, h)];
+  if (slot < 0) return pack_status(b, h, 0, batch_code::no_free_slot);
+  if (!mapped(slot)) return pack_status(b, h, slot, batch_code::bad_page);
+  return batch_status_clear;
+}
+
+/// The checks of append for sequence b, every head in turn.
 KVEVICT_EXEC_CHECK_DISABLE
 template <class Mapped>
 KVEVICT_HOST_DEVICE std::uint64_t append_problem(const batch_state_view& st, std::int32_t b, Mapped mapped) noexcept {
   for (std::int32_t h = 0; h < st.num_heads(); ++h) {
-    const std::int32_t slot = st.slots.next_slots[st.head_index(b, h)];
-    if (slot < 0) return pack_status(b, h, 0, batch_code::no_free_slot);
-    if (!mapped(slot)) return pack_status(b, h, slot, batch_code::bad_page);
+    const std::uint64_t word = append_head_problem(st, b, h, mapped);
+    if (word != batch_status_clear) return word;
   }
   return batch_status_clear;
 }
@@ -30,19 +41,30 @@ KVEVICT_HOST_DEVICE std::uint64_t append_problem(const batch_state_view& st, std
 /// Append, step 1 of the cycle: position `position` goes to (b, h)'s next
 /// slot with score 0. The caller checked next_slot >= 0 for every head of b
 /// and bumps lengths[b] once.
+/// The commit with the head's next slot, count and score buffer already
+/// read (a kernel reads them beside its checks, so the commit adds no
+/// dependent load).
+KVEVICT_HOST_DEVICE inline void commit_append(const batch_state_view& st, std::int32_t b, std::int32_t h,
+                                              std::int32_t position, std::int32_t slot, std::int32_t count,
+                                              std::int32_t buffer) noexcept {
+  const std::int64_t bh = st.head_index(b, h);
+  st.slots.positions_of(b, h)[slot] = position;
+  st.buffer_of(b, h, buffer)[slot] = 0.0f;
+  st.slots.counts[bh] = count + 1;
+  st.slots.next_slots[bh] = next_slot_after_append(count + 1, st.rule.budget);
+  st.appended[bh] = 1;
+}
+
 KVEVICT_HOST_DEVICE inline void commit_append(const batch_state_view& st, std::int32_t b, std::int32_t h,
                                               std::int32_t position) noexcept {
   const std::int64_t bh = st.head_index(b, h);
-  const std::int32_t slot = st.slots.next_slots[bh];
-  st.slots.positions_of(b, h)[slot] = position;
-  st.scores_of(b, h)[slot] = 0.0f;
-  const std::int32_t count = ++st.slots.counts[bh];
-  st.slots.next_slots[bh] = next_slot_after_append(count, st.rule.budget);
-  st.appended[bh] = 1;
+  commit_append(st, b, h, position, st.slots.next_slots[bh], st.slots.counts[bh], st.score_buffer[bh]);
 }
 
 /// Observe + evict, the commit: the updated scores in the spare buffer
 /// become current, and `victim` (or none, -1) is freed; no K/V bytes move.
+/// A free slot holds 0 in both score buffers (a later switch of buffers
+/// must not bring a stale score back).
 KVEVICT_HOST_DEVICE inline void commit_observe_evict(const batch_state_view& st, std::int32_t b, std::int32_t h,
                                                      std::int32_t victim) noexcept {
   const std::int64_t bh = st.head_index(b, h);
@@ -51,6 +73,7 @@ KVEVICT_HOST_DEVICE inline void commit_observe_evict(const batch_state_view& st,
   if (victim < 0) return;
   st.slots.positions_of(b, h)[victim] = -1;
   st.scores_of(b, h)[victim] = 0.0f;
+  st.spare_scores_of(b, h)[victim] = 0.0f;
   --st.slots.counts[bh];
   st.slots.next_slots[bh] = victim;
 }

@@ -2,9 +2,11 @@
 // Launch 1 of a decode step on CUDA: every active sequence's new position
 // goes to each head's next slot (score 0), optionally fused with the scatter
 // of its new K and V rows into the cache, for every dtype and layout. One
-// block per active sequence; the rows move as 16-byte vectors where the
-// buffers allow. Same semantics as batched_append on the host
+// block per active sequence; a thread per head checks it (one dependent
+// load), a block reduction decides, and the rows move as 16-byte vectors
+// where the buffers allow. Same semantics as batched_append on the host
 // (kvevict/batch/host_backend.hpp).
+#include <cub/block/block_reduce.cuh>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -28,21 +30,36 @@ template <int BlockThreads, class T, class Layout, bool Scatter>
 __global__ void __launch_bounds__(BlockThreads)
     append_kernel(batch_state_view st, active_set active, kv_view<T, Layout> cache, tensor_view<const T, 3> k_new,
                   tensor_view<const T, 3> v_new, std::uint64_t* status) {
+  using reduce = cub::BlockReduce<unsigned long long, BlockThreads>;
+  __shared__ typename reduce::TempStorage temp;
+  __shared__ unsigned long long problem;
   const std::int32_t b = entry_sequence(active, static_cast<std::int32_t>(blockIdx.x), st.num_seqs(), 0, status);
   if (b < 0) return;
   const std::int32_t t = static_cast<std::int32_t>(threadIdx.x);
-  __shared__ std::uint64_t problem;
+  const std::int32_t position = st.slots.lengths[b];  // loaded beside the heads' checks, not after them
+  // Thread h checks head h (a free slot, a mapped page): one dependent load
+  // per thread, not one per head in a row. Its slot, count and score
+  // buffer stay in registers for the commit (heads past the block size are
+  // read again).
+  const bool own = t < st.num_heads();
+  const std::int32_t own_slot = own ? st.slots.next_slots[st.head_index(b, t)] : -1;
+  const std::int32_t own_count = own ? st.slots.counts[st.head_index(b, t)] : 0;
+  const std::int32_t own_buffer = own ? st.score_buffer[st.head_index(b, t)] : 0;
+  unsigned long long mine = batch_status_clear;
+  for (std::int32_t h = t; h < st.num_heads(); h += BlockThreads)
+    mine = minimum_of{}(mine, static_cast<unsigned long long>(kvevict::detail::append_head_problem(
+                                  st, b, h, [=](std::int32_t slot) {
+                                    if constexpr (Scatter) return row_is_mapped(cache, b, slot);
+                                    (void)slot;
+                                    return true;
+                                  })));
+  mine = reduce(temp).Reduce(mine, minimum_of{});
   if (t == 0) {
-    problem = kvevict::detail::append_problem(st, b, [&](std::int32_t slot) {
-      if constexpr (Scatter) return row_is_mapped(cache, b, slot);
-      (void)slot;
-      return true;
-    });
-    report(status, problem);
+    problem = mine;
+    report(status, mine);
   }
   __syncthreads();
   if (problem != batch_status_clear) return;
-  const std::int32_t position = st.slots.lengths[b];
   if constexpr (Scatter) {
     // A warp per (head, K or V) row at a time.
     const std::int32_t warp = t / 32, lane = t % 32, warps = BlockThreads / 32;
@@ -52,11 +69,11 @@ __global__ void __launch_bounds__(BlockThreads)
       if (r % 2 == 0) copy_row(cache.k_row(b, h, slot), &k_new(b, h, 0), cache.head_dim, lane, 32);
       else copy_row(cache.v_row(b, h, slot), &v_new(b, h, 0), cache.head_dim, lane, 32);
     }
+    __syncthreads();  // every warp has read next_slots before the commit changes them
   }
-  // Every thread has read lengths[b] (and, scattering, next_slots) before
-  // the commit changes them.
-  __syncthreads();
-  for (std::int32_t h = t; h < st.num_heads(); h += BlockThreads) kvevict::detail::commit_append(st, b, h, position);
+  if (own) kvevict::detail::commit_append(st, b, t, position, own_slot, own_count, own_buffer);
+  for (std::int32_t h = t + BlockThreads; h < st.num_heads(); h += BlockThreads)
+    kvevict::detail::commit_append(st, b, h, position);
   if (t == 0) st.slots.lengths[b] = position + 1;
 }
 

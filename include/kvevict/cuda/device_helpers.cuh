@@ -72,6 +72,16 @@ __device__ inline std::int32_t entry_sequence(const active_set& active, std::int
   return b;
 }
 
+/// The multiprocessors of the current device (1 if it cannot be asked):
+/// the launch heuristics (batch/launch_shape.hpp) size grids from it.
+inline std::int32_t device_sm_count() {
+  int device = 0, sms = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || sms < 1)
+    return 1;
+  return sms;
+}
+
 /// Copies n elements of T from src to dst with threads [lane, lane + lanes,
 /// ...): 16-byte vectors when both rows are 16-byte aligned and n * sizeof(T)
 /// is a multiple of 16, elements otherwise.

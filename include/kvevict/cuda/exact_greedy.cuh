@@ -117,13 +117,14 @@ __global__ void __launch_bounds__(BlockThreads)
   double* errors = leave_one_out_slot_errors(hv, bh);
   block_leave_one_out_errors<BlockThreads>(scoring, st, b, h, in, count, length, errors);
   float* updated = st.spare_scores_of(b, h);
+  const victim_order order = st.order_of(b, h);
   unsigned long long best = ~0ull;
   std::int32_t best_slot = -1;
   for (std::int32_t s = t; s < count; s += BlockThreads) {
     const float score = static_cast<float>(errors[s]);
     updated[s] = score;
     if (st.rule.protect.covers(positions[s], length)) continue;
-    const unsigned long long key = st.rule.key(score, positions[s]);
+    const unsigned long long key = order.key(score, positions[s]);
     if (key < best) {
       best = key;
       best_slot = s;

@@ -5,7 +5,6 @@
 
 #include "kvevict/cuda/append.cuh"
 #include "kvevict/cuda/batched_policy.cuh"
-#include "kvevict/cuda/block_select.cuh"
 #include "kvevict/cuda/device_helpers.cuh"
 #include "kvevict/cuda/error.cuh"
 #include "kvevict/cuda/exact_greedy.cuh"

@@ -4,32 +4,36 @@
 // and batched_evict_to (kvevict/batch/multi_token.hpp, rules in
 // policy/evict_to.hpp), bit for bit.
 //
-// evict_to runs one block per active (sequence, KV head). Victims are taken
-// one round at a time: the block-wide minimum of rule.key over the
-// unprotected tokens (an exact integer minimum, so the same victims as the
-// host's partial sort), or for random the round's draw and a block radix
-// select of the ranked position. Thread 0 then pairs holes with the kept
-// rows beyond the span in one two-pointer sweep, and the warps move the rows.
-// The rounds make this O(surplus * count / threads) per head: evict_to runs
-// after chunked prefill or speculative steps, not every token.
-// exact_greedy's evict_to takes the step's queries and re-scores every
-// cached token with its leave-one-out error before each round
-// (leave_one_out.cuh, the host's bits), so its victims are the host's
-// greedy ones.
+// evict_to is a short, fixed sequence of launches (graph-capturable), each
+// spreading a long row over many blocks:
+//   1. plan: every active (b, h) is checked (evict_to_check; the page
+//      checks of a long row in chunks of blocks, merged by the last to
+//      arrive) and gets its plan: unchanged, or how many victims it gives;
+//   2. victims: all of a row's victims in one bottom-k selection of its
+//      victim keys (cuda/segmented_select.cuh, several blocks per long
+//      row), indices in ascending slot order. exact_greedy instead re-scores
+//      every cached token before each victim (its greedy rounds: an oracle,
+//      one block per row);
+//   3. refill: the holes below the new span take the rows beyond it
+//      (refill_plan: each move found by a binary search over the sorted
+//      free slots, so the row's moves and frees spread over many blocks),
+//      and the rows move in the cache or are reported as moves.
 #include <cub/block/block_reduce.cuh>
+#include <cub/block/block_scan.cuh>
 #include <cuda_runtime.h>
 
 #include <cstdint>
 #include <type_traits>
 
 #include "kvevict/batch/inputs.hpp"
+#include "kvevict/batch/launch_shape.hpp"
 #include "kvevict/batch/multi_token.hpp"
 #include "kvevict/batch/state.hpp"
 #include "kvevict/batch/status.hpp"
 #include "kvevict/batch/validate.hpp"
-#include "kvevict/cuda/block_select.cuh"
 #include "kvevict/cuda/device_helpers.cuh"
 #include "kvevict/cuda/leave_one_out.cuh"
+#include "kvevict/cuda/segmented_select.cuh"
 #include "kvevict/kv_view.hpp"
 #include "kvevict/policy/decode_rules.hpp"
 #include "kvevict/policy/evict_to.hpp"
@@ -41,20 +45,24 @@ namespace detail {
 template <int BlockThreads>
 __global__ void __launch_bounds__(BlockThreads)
     append_tokens_kernel(batch_state_view st, active_set active, std::int32_t tokens, std::uint64_t* status) {
+  using reduce = cub::BlockReduce<unsigned long long, BlockThreads>;
+  __shared__ typename reduce::TempStorage temp;
+  __shared__ unsigned long long problem;
   const std::int32_t b = entry_sequence(active, static_cast<std::int32_t>(blockIdx.x), st.num_seqs(), 0, status);
   if (b < 0) return;
   const std::int32_t t = static_cast<std::int32_t>(threadIdx.x);
-  __shared__ std::uint64_t problem;
+  const std::int32_t first = st.slots.lengths[b];
+  unsigned long long mine = batch_status_clear;  // a thread per head: the lowest head that would not fit
+  for (std::int32_t h = t; h < st.num_heads(); h += BlockThreads)
+    if (st.slots.counts[st.head_index(b, h)] + tokens > st.capacity())
+      mine = minimum_of{}(mine, static_cast<unsigned long long>(pack_status(b, h, tokens, batch_code::over_capacity)));
+  mine = reduce(temp).Reduce(mine, minimum_of{});
   if (t == 0) {
-    problem = batch_status_clear;
-    for (std::int32_t h = 0; h < st.num_heads() && problem == batch_status_clear; ++h)
-      if (st.slots.counts[st.head_index(b, h)] + tokens > st.capacity())
-        problem = pack_status(b, h, tokens, batch_code::over_capacity);
-    report(status, problem);
+    problem = mine;
+    report(status, mine);
   }
   __syncthreads();
   if (problem != batch_status_clear) return;
-  const std::int32_t first = st.slots.lengths[b];
   for (std::int64_t i = t; i < std::int64_t{st.num_heads()} * tokens; i += BlockThreads) {  // 64-bit product
     const std::int32_t h = static_cast<std::int32_t>(i / tokens), j = static_cast<std::int32_t>(i % tokens);
     const std::int64_t bh = st.head_index(b, h);
@@ -79,107 +87,185 @@ struct no_cache {};
 /// (every policy but exact_greedy, which re-scores with batch_queries).
 struct no_queries {};
 
+using evict_check = kvevict::detail::evict_to_check;
+
+/// Whether a cache argument is a paged view (whose rows evict_to checks).
+template <class Cache>
+struct is_paged_cache : std::false_type {};
+template <class T>
+struct is_paged_cache<kv_view<T, paged_layout>> : std::true_type {};
+
+/// The (b, h) of launch row `row` (entry * H + h) and chunk `chunk` of
+/// blockIdx.x = row * chunks + chunk; b < 0 for an inactive entry (a bad
+/// list entry is reported once, by chunk 0 of head 0).
+struct evict_row {
+  std::int32_t row, chunk, b, h;
+  std::int64_t bh;
+
+  __device__ evict_row(const batch_state_view& st, const active_set& active, std::int32_t chunks,
+                       std::uint64_t* status) {
+    row = static_cast<std::int32_t>(blockIdx.x) / chunks;
+    chunk = static_cast<std::int32_t>(blockIdx.x) % chunks;
+    h = row % st.num_heads();
+    b = entry_sequence(active, row / st.num_heads(), st.num_seqs(), chunk == 0 ? h : -1, status);
+    bh = b >= 0 ? st.head_index(b, h) : -1;
+  }
+};
+
+/// Thread 0 once a row's checks are reduced: its plan (unchanged, or the
+/// victims it gives), its selection count, and the status and result of a
+/// row that stays unchanged.
+__device__ inline void plan_row(const batch_state_view& st, const evict_row& at, std::int32_t target,
+                                std::uint64_t check, std::int32_t* results, std::uint64_t* status) {
+  evict_to_plan plan;
+  plan.count = st.slots.counts[at.bh];
+  plan.next = st.slots.next_slots[at.bh];
+  const bool unobserved = check != evict_check::none && (check >> 32) == std::uint64_t(evict_check::stage::not_observed);
+  if (unobserved || (plan.count > target && check != evict_check::none))
+    report(status, evict_check::word(check, at.b, at.h));
+  else if (plan.count > target)
+    plan.kept = target;  // nothing above the target: unchanged, no error
+  plan.order = st.order_of(at.b, at.h);
+  st.work.evict_plans[at.bh] = plan;
+  st.work.evict_counts[at.row] = plan.kept >= 0 ? plan.count - plan.kept : 0;
+  if (results && plan.kept < 0) results[at.bh] = 0;
+}
+
+/// Launch 1: the checks and plan of every active (b, h). A paged cache's
+/// rows are checked in chunks of the row (one block each, merged by the
+/// last block to arrive); exact_greedy's history and queries by chunk 0.
 template <int BlockThreads, class Cache, class Queries>
 __global__ void __launch_bounds__(BlockThreads)
-    evict_to_kernel(batch_state_view st, active_set active, std::int32_t target, Cache cache, Queries queries,
-                    slot_move* moves, std::int32_t* results, std::uint64_t* status) {
-  constexpr bool kMoveRows = !std::is_same_v<Cache, no_cache>;
+    evict_to_plan_kernel(batch_state_view st, active_set active, std::int32_t target, Cache cache, Queries queries,
+                         row_split split, std::int32_t* results, std::uint64_t* status) {
+  constexpr bool kPaged = is_paged_cache<Cache>::value;
   constexpr bool kGreedy = !std::is_same_v<Queries, no_queries>;
-  using reduce_keys = cub::BlockReduce<unsigned long long, BlockThreads>;
-  using reduce_counts = cub::BlockReduce<std::int32_t, BlockThreads>;
-  using select = block_select_kth<BlockThreads>;
-  __shared__ union {
-    typename reduce_keys::TempStorage keys;
-    typename reduce_counts::TempStorage counts;
-    typename select::temp_storage select;
-  } temp;
-  __shared__ unsigned long long shared_word;
-  __shared__ std::int32_t shared_count, shared_victim, shared_moves, shared_next;
-
-  const std::int32_t entry = static_cast<std::int32_t>(blockIdx.x) / st.num_heads();
-  const std::int32_t h = static_cast<std::int32_t>(blockIdx.x) % st.num_heads();
-  const std::int32_t b = entry_sequence(active, entry, st.num_seqs(), h, status);
-  if (b < 0) return;
-  const std::int32_t t = static_cast<std::int32_t>(threadIdx.x), cap = st.capacity();
-  const std::int64_t bh = st.head_index(b, h);
-  std::int32_t* positions = st.slots.positions_of(b, h);
-  float* scores = st.scores_of(b, h);
-  float* spare = st.spare_scores_of(b, h);
-  const std::int32_t count = st.slots.counts[bh], length = st.slots.lengths[b];
-  if (t == 0 && results) results[bh] = 0;
-
-  // ---- checks (the host's evict_to_problem, in its order), before anything changes ----
-  unsigned long long problem = batch_status_clear;
-  if (st.appended[bh]) problem = pack_status(b, h, 0, batch_code::not_observed);
-  if (problem == batch_status_clear && count <= target) return;  // nothing to free: unchanged
-  if constexpr (kGreedy) {
-    if (problem == batch_status_clear && st.history.rows[bh] != length)
-      problem = pack_status(b, h, 0, batch_code::history_gap);
-    if (problem == batch_status_clear) {  // the same branch in every thread
-      problem = block_query_problem<BlockThreads>(temp.keys, queries, b, h, st.group_size(), st.history.head_dim);
-      if (t == 0) shared_word = problem;
-      __syncthreads();
-      problem = shared_word;
-      __syncthreads();  // everyone has read shared_word before it is rewritten below
-    }
-  }
-  if constexpr (kMoveRows) {
-    if (problem == batch_status_clear)
-      for (std::int32_t s = t; s < cap; s += BlockThreads)
-        if ((positions[s] >= 0 || s <= target) && !row_is_mapped(cache, b, s))
-          problem = minimum_of{}(problem, static_cast<unsigned long long>(pack_status(b, h, s, batch_code::bad_page)));
-  }
-  problem = reduce_keys(temp.keys).Reduce(problem, minimum_of{});
-  if (t == 0) shared_word = problem;
-  __syncthreads();
-  if (shared_word != batch_status_clear) {
-    if (t == 0) report(status, shared_word);
+  using reduce = cub::BlockReduce<unsigned long long, BlockThreads>;
+  __shared__ typename reduce::TempStorage temp;
+  __shared__ bool finisher;
+  const evict_row at(st, active, split.chunks, status);
+  const std::int32_t t = static_cast<std::int32_t>(threadIdx.x);
+  if (at.b < 0) {  // an inactive entry selects nothing
+    if (at.chunk == 0 && t == 0) st.work.evict_counts[at.row] = 0;
     return;
   }
+  const std::int32_t count = st.slots.counts[at.bh], next = st.slots.next_slots[at.bh];
+  // The slots the call may touch: the occupied ones and those up to the target.
+  const std::int32_t end = kvevict::detail::occupied_end(count, next);
+  const std::int32_t scan = end > target + 1 ? end : (target + 1 < st.capacity() ? target + 1 : st.capacity());
+  const std::int32_t chunks = kPaged && scan > split.chunk_slots ? (scan + split.chunk_slots - 1) / split.chunk_slots : 1;
+  if (at.chunk >= chunks) return;
 
-  // ---- victims, one round at a time ----
-  const std::int32_t surplus = count - target;
-  const std::uint64_t stream = st.streams ? st.streams[b] : std::uint64_t(b);
-  for (std::int32_t round = 0; round < surplus; ++round) {
-    if (t == 0) shared_victim = -1;
-    __syncthreads();
-    if constexpr (kGreedy) {  // re-score the tokens left; the lowest key below is the greedy victim
-      __shared__ leave_one_out_storage<BlockThreads> scoring;
-      double* errors = leave_one_out_slot_errors(st.history, bh);
-      block_leave_one_out_errors<BlockThreads>(scoring, st, b, h, queries, cap, length, errors);
-      for (std::int32_t s = t; s < cap; s += BlockThreads)
-        if (positions[s] >= 0) scores[s] = static_cast<float>(errors[s]);
-      __syncthreads();
-    }
-    if (st.rule.victim == victim_rule::random_rank) {
-      std::int32_t n = 0;
-      for (std::int32_t s = t; s < cap; s += BlockThreads)
-        n += positions[s] >= 0 && !st.rule.protect.covers(positions[s], length);
-      n = reduce_counts(temp.counts).Sum(n);
-      if (t == 0) shared_count = n;
-      __syncthreads();
-      const std::int32_t rank = random_victim_rank(st.rule.seed, stream, h, length, shared_count, round);
-      const std::uint32_t chosen = select::select(temp.select, rank, [&](auto emit) {
-        for (std::int32_t s = t; s < cap; s += BlockThreads)
-          if (positions[s] >= 0 && !st.rule.protect.covers(positions[s], length))
-            emit(static_cast<std::uint32_t>(positions[s]));
-      });
-      for (std::int32_t s = t; s < cap; s += BlockThreads)
-        if (positions[s] == static_cast<std::int32_t>(chosen)) shared_victim = s;
-    } else {
-      unsigned long long best = ~0ull;
-      std::int32_t best_slot = -1;
-      for (std::int32_t s = t; s < cap; s += BlockThreads) {
-        const std::int32_t p = positions[s];
-        if (p < 0 || st.rule.protect.covers(p, length)) continue;
-        const unsigned long long key = st.rule.key(scores[s], p);
-        if (key < best) {
-          best = key;
-          best_slot = s;
-        }
+  unsigned long long check = evict_check::none;
+  if (at.chunk == 0) {
+    if (t == 0 && st.appended[at.bh]) check = evict_check::key(evict_check::stage::not_observed, 0);
+    if constexpr (kGreedy) {
+      if (t == 0 && st.history.rows[at.bh] != st.slots.lengths[at.b])
+        check = minimum_of{}(check, static_cast<unsigned long long>(evict_check::key(evict_check::stage::history_gap, 0)));
+      const std::int32_t g = st.group_size(), d = st.history.head_dim;
+      for (std::int64_t i = t; i < std::int64_t{g} * d; i += BlockThreads) {
+        const std::int32_t q = at.h * g + static_cast<std::int32_t>(i / d);
+        if (classify_input(to_float(queries.q(at.b, q, static_cast<std::int32_t>(i % d))), false) != batch_code::ok)
+          check = minimum_of{}(check, static_cast<unsigned long long>(evict_check::key(evict_check::stage::query, q)));
       }
-      publish_lowest_key<BlockThreads>(temp.keys, best, best_slot, shared_word, shared_victim);
     }
+  }
+  if constexpr (kPaged) {
+    const std::int32_t* positions = st.slots.positions_of(at.b, at.h);
+    const std::int32_t first = at.chunk * split.chunk_slots;
+    const std::int32_t last = scan < first + split.chunk_slots ? scan : first + split.chunk_slots;
+    for (std::int32_t s = first + t; s < last; s += BlockThreads)
+      if (evict_check::touches(positions[s], s, target) && !row_is_mapped(cache, at.b, s))
+        check = minimum_of{}(check, static_cast<unsigned long long>(evict_check::key(evict_check::stage::bad_page, s)));
+  }
+  check = reduce(temp).Reduce(check, minimum_of{});
+  if (chunks == 1) {
+    if (t == 0) plan_row(st, at, target, check, results, status);
+    return;
+  }
+  evict_to_plan* plan = st.work.evict_plans + at.bh;
+  if (t == 0) {
+    atomicMin(reinterpret_cast<unsigned long long*>(&plan->check), check);
+    __threadfence();
+    finisher = atomicAdd(st.work.arrivals + at.bh, 1u) == static_cast<unsigned>(chunks - 1);
+  }
+  __syncthreads();
+  if (!finisher || t != 0) return;
+  __threadfence();
+  const unsigned long long gathered = atomicExch(reinterpret_cast<unsigned long long*>(&plan->check), evict_check::none);
+  st.work.arrivals[at.bh] = 0;
+  plan_row(st, at, target, gathered, results, status);
+}
+
+/// The victim keys of every planned row, for the selection: element j of
+/// segment i (launch row i) is slot j of its (b, h); free and protected
+/// slots key ~0 (never taken: a row's count is at most its unprotected
+/// tokens), rows that stay unchanged have no elements.
+struct evict_keys {
+  batch_state_view st;
+  active_set active;
+  std::int32_t num_segments = 0;
+  std::int32_t max_length = 0;
+
+  KVEVICT_HOST_DEVICE bool ordered_by_index() const noexcept { return true; }
+  KVEVICT_HOST_DEVICE std::int32_t position(std::int32_t, std::int32_t j) const noexcept { return j; }
+  __device__ std::int64_t head_of(std::int32_t i) const {
+    const std::int32_t b = active.sequence(i / st.num_heads(), st.num_seqs());
+    return b >= 0 ? st.head_index(b, i % st.num_heads()) : -1;
+  }
+  __device__ std::int32_t length(std::int32_t i) const {
+    const std::int64_t bh = head_of(i);
+    if (bh < 0) return 0;
+    const evict_to_plan& p = st.work.evict_plans[bh];
+    return p.kept >= 0 ? kvevict::detail::occupied_end(p.count, p.next) : 0;
+  }
+  __device__ std::uint64_t key(std::int32_t i, std::int32_t j, select_end) const {
+    const std::int32_t b = active.sequence(i / st.num_heads(), st.num_seqs()), h = i % st.num_heads();
+    return kvevict::detail::evict_to_key(st, b, h, st.work.evict_plans[st.head_index(b, h)].order, j);
+  }
+};
+
+/// Launch 2, exact_greedy: one victim at a time (re-scoring the tokens left
+/// before each, the host's bits), freed in place; then the victims' slots
+/// in ascending order into the row's selection output, for the refill.
+template <int BlockThreads, class Q>
+__global__ void __launch_bounds__(BlockThreads)
+    evict_to_greedy_kernel(batch_state_view st, active_set active, batch_queries<Q> queries) {
+  using scan = cub::BlockScan<std::int32_t, BlockThreads>;
+  __shared__ union {
+    typename cub::BlockReduce<unsigned long long, BlockThreads>::TempStorage keys;
+    typename scan::TempStorage scan;
+  } temp;
+  __shared__ leave_one_out_storage<BlockThreads> scoring;
+  __shared__ unsigned long long shared_word;
+  __shared__ std::int32_t shared_victim, carry;
+  const evict_row at(st, active, 1, nullptr);
+  if (at.b < 0) return;
+  const evict_to_plan plan = st.work.evict_plans[at.bh];
+  if (plan.kept < 0) return;  // the whole block
+  const std::int32_t t = static_cast<std::int32_t>(threadIdx.x), cap = st.capacity();
+  const std::int32_t length = st.slots.lengths[at.b];
+  std::int32_t* positions = st.slots.positions_of(at.b, at.h);
+  float* scores = st.scores_of(at.b, at.h);
+  double* errors = leave_one_out_slot_errors(st.history, at.bh);
+  for (std::int32_t round = 0; round < plan.count - plan.kept; ++round) {
+    block_leave_one_out_errors<BlockThreads>(scoring, st, at.b, at.h, queries, cap, length, errors);
+    for (std::int32_t s = t; s < cap; s += BlockThreads)
+      if (positions[s] >= 0) scores[s] = static_cast<float>(errors[s]);
+    __syncthreads();
+    unsigned long long best = ~0ull;
+    std::int32_t best_slot = -1;
+    for (std::int32_t s = t; s < cap; s += BlockThreads) {
+      const std::int32_t p = positions[s];
+      if (p < 0 || st.rule.protect.covers(p, length)) continue;
+      const unsigned long long key = plan.order.key(scores[s], p);
+      if (key < best) {
+        best = key;
+        best_slot = s;
+      }
+    }
+    if (t == 0) shared_victim = -1;
+    publish_lowest_key<BlockThreads>(temp.keys, best, best_slot, shared_word, shared_victim);
     __syncthreads();
     if (t == 0) {
       positions[shared_victim] = -1;  // target >= sinks + recent: a victim exists
@@ -187,56 +273,113 @@ __global__ void __launch_bounds__(BlockThreads)
     }
     __syncthreads();
   }
-
-  // ---- refill the holes (refill_holes' pairing, as a two-pointer sweep) ----
-  const std::int32_t kept = target;
-  const std::int32_t span = kept <= st.rule.budget ? kept + 1 : kept;
-  std::int32_t* pairs = st.victim_scratch + bh * cap;  // [2 * moves]: (from, to); moves <= cap / 2
-  if (t == 0) {
-    std::int32_t hole = 0, n = 0;
-    for (std::int32_t s = span; s < cap; ++s) {
-      if (positions[s] < 0) continue;
-      while (positions[hole] >= 0) ++hole;  // a hole below span exists for every source beyond it
-      positions[hole] = positions[s];
-      scores[hole] = scores[s];
-      positions[s] = -1;
-      scores[s] = 0.0f;
-      pairs[2 * n] = s;
-      pairs[2 * n + 1] = hole;
-      ++n;
-      ++hole;
-    }
-    while (hole < span && positions[hole] >= 0) ++hole;
-    shared_moves = n;
-    shared_next = hole < span ? hole : -1;
-    st.slots.counts[bh] = kept;
-    st.slots.next_slots[bh] = shared_next;
-    if (results) results[bh] = kMoveRows ? surplus : n;
-  }
+  // The victims: the free slots of [0, end) but the hole the row had.
+  const std::int32_t end = kvevict::detail::occupied_end(plan.count, plan.next);
+  const std::int32_t hole = kvevict::detail::hole_of(plan.count, plan.next);
+  std::int32_t* out = st.victim_scratch + std::int64_t{at.row} * cap;
+  if (t == 0) carry = 0;
   __syncthreads();
-  for (std::int32_t s = t; s < cap; s += BlockThreads)
-    if (positions[s] < 0) spare[s] = 0.0f;  // as the host: free slots read 0 in both buffers
-  if constexpr (kMoveRows) {
-    const std::int32_t warp = t / 32, lane = t % 32, warps = BlockThreads / 32;
-    for (std::int32_t r = warp; r < 2 * shared_moves; r += warps) {
-      const std::int32_t from = pairs[2 * (r / 2)], to = pairs[2 * (r / 2) + 1];
-      if (r % 2 == 0) copy_row(cache.k_row(b, h, to), cache.k_row(b, h, from), cache.head_dim, lane, 32);
-      else copy_row(cache.v_row(b, h, to), cache.v_row(b, h, from), cache.head_dim, lane, 32);
-    }
-  } else {
-    for (std::int32_t i = t; i < shared_moves; i += BlockThreads)
-      moves[bh * cap + i] = slot_move{pairs[2 * i], pairs[2 * i + 1]};
+  for (std::int32_t base = 0; base < end; base += BlockThreads) {
+    const std::int32_t s = base + t;
+    const std::int32_t flag = s < end && positions[s] < 0 && s != hole ? 1 : 0;
+    std::int32_t rank = 0, total = 0;
+    scan(temp.scan).ExclusiveSum(flag, rank, total);
+    if (flag) out[carry + rank] = s;
+    __syncthreads();  // everyone has read carry and the scan storage
+    if (t == 0) carry += total;
+    __syncthreads();
   }
 }
 
+/// Launch 3: the refill of every planned row, its pieces of work
+/// (refill_work) spread over the row's blocks; the first block's thread 0
+/// writes the row's count, next slot and result.
+template <int BlockThreads, int Items, class Cache>
+__global__ void __launch_bounds__(BlockThreads)
+    evict_to_refill_kernel(batch_state_view st, active_set active, std::int32_t chunks, Cache cache, slot_move* moves,
+                           std::int32_t* results) {
+  constexpr bool kMoveRows = !std::is_same_v<Cache, no_cache>;
+  const evict_row at(st, active, chunks, nullptr);
+  if (at.b < 0) return;
+  const evict_to_plan plan = st.work.evict_plans[at.bh];
+  if (plan.kept < 0) return;  // the whole block
+  const std::int32_t cap = st.capacity(), victims = plan.count - plan.kept;
+  const std::int32_t end = kvevict::detail::occupied_end(plan.count, plan.next);
+  const kvevict::detail::victims_and_hole freed(st.victim_scratch + std::int64_t{at.row} * cap, victims,
+                                                kvevict::detail::hole_of(plan.count, plan.next));
+  const auto refill = kvevict::detail::make_refill_plan(freed, freed.size(), plan.kept, st.rule.budget, end);
+  std::int32_t* positions = st.slots.positions_of(at.b, at.h);
+  float* scores = st.scores_of(at.b, at.h);
+  float* spare = st.spare_scores_of(at.b, at.h);
+  const std::int32_t first = at.chunk * BlockThreads * Items;
+  const std::int32_t last = first + BlockThreads * Items < refill.work() ? first + BlockThreads * Items : refill.work();
+  for (std::int32_t i = first + static_cast<std::int32_t>(threadIdx.x); i < last; i += BlockThreads)
+    kvevict::detail::refill_work(refill, i, positions, scores, spare,
+                                 [=](std::int32_t move, std::int32_t from, std::int32_t to) {
+                                   if constexpr (kMoveRows) {
+                                     copy_row(cache.k_row(at.b, at.h, to), cache.k_row(at.b, at.h, from),
+                                              cache.head_dim, 0, 1);
+                                     copy_row(cache.v_row(at.b, at.h, to), cache.v_row(at.b, at.h, from),
+                                              cache.head_dim, 0, 1);
+                                   } else {
+                                     moves[at.bh * cap + move] = slot_move{from, to};
+                                   }
+                                 });
+  if (at.chunk == 0 && threadIdx.x == 0) {
+    st.slots.counts[at.bh] = plan.kept;
+    st.slots.next_slots[at.bh] = refill.next_slot();
+    if (results) results[at.bh] = kMoveRows ? victims : refill.moves;
+  }
+}
+
+inline constexpr int kRefillItems = 4;  ///< refill pieces per thread of a block
+
+/// Launch 2 for the policies whose keys stand still: one bottom-k selection
+/// of every planned row's victims, into the rows of victim_scratch.
+inline cudaError_t launch_victims(const batch_state_view& st, const active_set& active, std::int64_t rows,
+                                  no_queries, cudaStream_t stream) {
+  std::size_t bytes = st.work.select_bytes;
+  selection_output out;
+  out.indices = st.victim_scratch;
+  out.index_stride = st.capacity();
+  return select_segments(st.work.select, bytes, evict_keys{st, active, static_cast<std::int32_t>(rows), st.capacity()},
+                         select_end::bottom, selection_count{0, st.work.evict_counts}, out, nullptr, stream);
+}
+
+/// Launch 2 for exact_greedy: its greedy rounds, a block per row.
+template <class Q>
+cudaError_t launch_victims(const batch_state_view& st, const active_set& active, std::int64_t rows,
+                           const batch_queries<Q>& queries, cudaStream_t stream) {
+  evict_to_greedy_kernel<kBlockThreads, Q><<<static_cast<unsigned>(rows), kBlockThreads, 0, stream>>>(st, active, queries);
+  return cudaGetLastError();
+}
+
 template <class Cache, class Queries>
-cudaError_t launch_evict_to(const batch_state_view& st, const active_set& active, std::int32_t target,
-                            const Cache& cache, const Queries& queries, slot_move* moves, std::int32_t* results,
-                            std::uint64_t* status, cudaStream_t stream) {
-  const std::int64_t blocks = std::int64_t{active.entries(st.num_seqs())} * st.num_heads();
-  if (blocks == 0) return cudaSuccess;
-  evict_to_kernel<kBlockThreads, Cache, Queries><<<static_cast<unsigned>(blocks), kBlockThreads, 0, stream>>>(
-      st, active, target, cache, queries, moves, results, status);
+cudaError_t launch_evict_to(const kvevict::detail::site& w, const batch_state_view& st, const active_set& active,
+                            std::int32_t target, const Cache& cache, const Queries& queries, slot_move* moves,
+                            std::int32_t* results, std::uint64_t* status, cudaStream_t stream) {
+  kvevict::detail::require_not_null(w, "state.work.arrivals", st.work.arrivals);
+  kvevict::detail::require_not_null(w, "state.work.evict_plans", st.work.evict_plans);
+  kvevict::detail::require_not_null(w, "state.work.evict_counts", st.work.evict_counts);
+  kvevict::detail::require_not_null(w, "state.victim_scratch", st.victim_scratch);
+  if constexpr (std::is_same_v<Queries, no_queries>)
+    kvevict::detail::require_not_null(w, "state.work.select", st.work.select);
+  const std::int64_t rows = std::int64_t{active.entries(st.num_seqs())} * st.num_heads();
+  const row_split split = split_rows(rows, st.capacity(), device_sm_count());
+  const std::int32_t refill_chunks = (st.capacity() + kBlockThreads * kRefillItems) / (kBlockThreads * kRefillItems);
+  if (rows * split.chunks > 0x7FFFFFFF || rows * refill_chunks > 0x7FFFFFFF)
+    kvevict::detail::fail<invalid_argument>(w, "active", "gives more blocks than a grid holds");
+  if (rows == 0) return cudaSuccess;
+  evict_to_plan_kernel<kBlockThreads, Cache, Queries><<<static_cast<unsigned>(rows * split.chunks), kBlockThreads, 0,
+                                                        stream>>>(st, active, target, cache, queries, split, results,
+                                                                  status);
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return e;
+  e = launch_victims(st, active, rows, queries, stream);
+  if (e != cudaSuccess) return e;
+  evict_to_refill_kernel<kBlockThreads, kRefillItems, Cache>
+      <<<static_cast<unsigned>(rows * refill_chunks), kBlockThreads, 0, stream>>>(st, active, refill_chunks, cache,
+                                                                                   moves, results);
   return cudaGetLastError();
 }
 
@@ -273,7 +416,7 @@ cudaError_t batched_evict_to(const batch_state_view& st, const active_set& activ
   kvevict::detail::require_not_null(w, "status", status);
   kvevict::detail::require_target(w, st, target);
   kvevict::detail::require_cache(w, st, cache);
-  return detail::launch_evict_to(st, active, target, cache, detail::no_queries{}, nullptr, freed, status, stream);
+  return detail::launch_evict_to(w, st, active, target, cache, detail::no_queries{}, nullptr, freed, status, stream);
 }
 
 /// The same for engines that move rows themselves: moves[(b * H + h) *
@@ -288,7 +431,7 @@ inline cudaError_t batched_evict_to(const batch_state_view& st, const active_set
   kvevict::detail::require_not_null(w, "moves", moves);
   kvevict::detail::require_not_null(w, "move_counts", move_counts);
   kvevict::detail::require_target(w, st, target);
-  return detail::launch_evict_to(st, active, target, detail::no_cache{}, detail::no_queries{}, moves, move_counts,
+  return detail::launch_evict_to(w, st, active, target, detail::no_cache{}, detail::no_queries{}, moves, move_counts,
                                  status, stream);
 }
 
@@ -311,7 +454,7 @@ cudaError_t batched_evict_to(const batch_state_view& st, const active_set& activ
   if (cache.head_dim != st.history.head_dim)
     kvevict::detail::fail<invalid_argument>(w, "cache.head_dim", "= ", cache.head_dim, ", the history has ",
                                             st.history.head_dim);
-  return detail::launch_evict_to(st, active, target, cache, in, nullptr, freed, status, stream);
+  return detail::launch_evict_to(w, st, active, target, cache, in, nullptr, freed, status, stream);
 }
 
 /// The same for engines that move rows themselves (moves as in the
@@ -328,7 +471,7 @@ cudaError_t batched_evict_to(const batch_state_view& st, const active_set& activ
   kvevict::detail::require_not_null(w, "move_counts", move_counts);
   kvevict::detail::require_target(w, st, target, true);
   kvevict::detail::require_greedy_queries(w, st, in);
-  return detail::launch_evict_to(st, active, target, detail::no_cache{}, in, moves, move_counts, status, stream);
+  return detail::launch_evict_to(w, st, active, target, detail::no_cache{}, in, moves, move_counts, status, stream);
 }
 
 }  // namespace gpu

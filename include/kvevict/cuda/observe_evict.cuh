@@ -1,26 +1,34 @@
 #pragma once
-// Launch 2 of a decode step on CUDA: observe + evict fused, one block per
-// active (sequence, KV head), one pass over its occupied slots [0, count):
-// each thread folds its slots' increments over the GQA group, writes the
-// updated scores to the spare buffer and keeps the lowest victim key of its
-// slots; a cub::BlockReduce of the packed (score, position) keys gives the
-// exact minimum whatever the order. random instead counts the unprotected and
-// selects its k-th position (block_select.cuh); exact_greedy has its own
-// kernel (exact_greedy.cuh). Same semantics, bit for bit, as
-// batched_observe_evict on the host (kvevict/batch/host_backend.hpp): the
-// per-slot arithmetic is the same KVEVICT_HOST_DEVICE code.
+// Launch 2 of a decode step on CUDA: observe + evict fused, one pass over
+// every active (sequence, KV head)'s occupied slots [0, count). Each thread
+// takes decode_tuning::items slots of a tile and issues all their loads
+// (position, score, the group's inputs one query head at a time) before it
+// looks at any value; then each slot's new score goes to the spare buffer
+// and its victim key bids (observe_slot, the host's per-slot rule). A
+// cub::BlockReduce of row_partial gives the block's lowest key, problem and
+// head check, exact minima whatever the order.
+//
+// Long rows are split over several blocks (batch/launch_shape.hpp sizes the
+// split from the SM count, so one sequence of 128K slots fills the GPU):
+// each block leaves its row_partial in the state's workspace, and the last
+// block of the row to arrive merges them and commits. Rows of one chunk
+// commit directly. exact_greedy has its own kernel (exact_greedy.cuh). Same
+// decisions and status word, bit for bit, as batched_observe_evict on the
+// host (batch/host_backend.hpp).
 #include <cub/block/block_reduce.cuh>
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
 #include "kvevict/batch/inputs.hpp"
+#include "kvevict/batch/launch_shape.hpp"
+#include "kvevict/batch/row_partial.hpp"
 #include "kvevict/batch/score_sources.hpp"
 #include "kvevict/batch/state.hpp"
 #include "kvevict/batch/status.hpp"
 #include "kvevict/batch/step.hpp"
 #include "kvevict/batch/validate.hpp"
-#include "kvevict/cuda/block_select.cuh"
+#include "kvevict/config.hpp"
 #include "kvevict/cuda/device_helpers.cuh"
 #include "kvevict/cuda/exact_greedy.cuh"
 #include "kvevict/policy/decode_rules.hpp"
@@ -29,129 +37,118 @@ namespace kvevict {
 namespace gpu {
 namespace detail {
 
-/// The block's (b, h) from blockIdx.x = entry * num_heads + h; -1 when the
-/// entry is inactive. Reports a bad list entry once.
-__device__ inline std::int32_t block_head(const batch_state_view& st, const active_set& active, std::int32_t& h,
-                                          std::uint64_t* status) {
-  const std::int32_t entry = static_cast<std::int32_t>(blockIdx.x) / st.num_heads();
-  h = static_cast<std::int32_t>(blockIdx.x) % st.num_heads();
-  return entry_sequence(active, entry, st.num_seqs(), h, status);
+struct merge_partials {
+  __device__ row_partial operator()(const row_partial& a, const row_partial& b) const {
+    return row_partial::merge(a, b);
+  }
+};
+
+/// A partial another block of the row wrote: past L1, which is not coherent
+/// between SMs.
+__device__ inline row_partial load_partial(const row_partial* p) {
+  static_assert(sizeof(row_partial) == 32 && alignof(row_partial) >= 16, "two 16-byte loads");
+  const ulonglong2 lo = __ldcg(reinterpret_cast<const ulonglong2*>(p));
+  const ulonglong2 hi = __ldcg(reinterpret_cast<const ulonglong2*>(p) + 1);
+  row_partial r;
+  r.key = lo.x;
+  r.problem = lo.y;
+  r.head = hi.x;
+  r.slot = static_cast<std::int32_t>(hi.y & 0xFFFFFFFFu);
+  return r;
 }
 
-template <int BlockThreads, victim_rule Rule, class Source>
-__global__ void __launch_bounds__(BlockThreads)
-    observe_evict_kernel(batch_state_view st, active_set active, Source source, std::int32_t* victims,
-                         std::uint64_t* status) {
-  using reduce_keys = cub::BlockReduce<unsigned long long, BlockThreads>;
-  using reduce_counts = cub::BlockReduce<std::int32_t, BlockThreads>;
-  using select = block_select_kth<BlockThreads>;
-  __shared__ union {
-    typename reduce_keys::TempStorage keys;
-    typename reduce_counts::TempStorage counts;
-    typename select::temp_storage select;
-  } temp;
-  __shared__ unsigned long long shared_word;
-  __shared__ std::int32_t shared_victim, shared_rank;
+/// Thread 0, once a row is reduced: refuse it (status word, victim -1,
+/// nothing changes) or commit its victim.
+__device__ inline void finish_row(const batch_state_view& st, std::int32_t b, std::int32_t h, std::int32_t count,
+                                  const row_partial& total, std::int32_t* victims, std::uint64_t* status) {
+  const std::int64_t bh = st.head_index(b, h);
+  const std::uint64_t word = total.status_word(b, h);
+  if (word != batch_status_clear) return give_up(bh, word, victims, status);
+  const std::int32_t victim = count > st.rule.budget ? total.slot : -1;
+  kvevict::detail::commit_observe_evict(st, b, h, victim);
+  if (victims) victims[bh] = victim;
+}
 
-  std::int32_t h = 0;
-  const std::int32_t b = block_head(st, active, h, status);
+template <class Source>
+__global__ void __launch_bounds__(decode_tuning::threads, Source::min_blocks)
+    observe_evict_kernel(batch_state_view st, active_set active, Source source, row_split split,
+                         std::int32_t* victims, std::uint64_t* status) {
+  constexpr int kThreads = decode_tuning::threads, kItems = Source::items;
+  constexpr std::int32_t kTile = kThreads * kItems;
+  using reduce = cub::BlockReduce<row_partial, kThreads>;
+  __shared__ typename reduce::TempStorage temp;
+  __shared__ bool finisher;
+
+  const std::int32_t row = static_cast<std::int32_t>(blockIdx.x) / split.chunks;
+  const std::int32_t chunk = static_cast<std::int32_t>(blockIdx.x) % split.chunks;
+  const std::int32_t h = row % st.num_heads();
+  // A bad list entry is reported once: by the first chunk of head 0.
+  const std::int32_t b = entry_sequence(active, row / st.num_heads(), st.num_seqs(), chunk == 0 ? h : -1, status);
   if (b < 0) return;
   const std::int32_t t = static_cast<std::int32_t>(threadIdx.x);
   const std::int64_t bh = st.head_index(b, h);
-  if (t == 0) {
-    std::int32_t index = 0;
-    const batch_code code = kvevict::detail::check_observe_head(st, source, b, h, index);
-    shared_word = code == batch_code::ok ? batch_status_clear : pack_status(b, h, index, code);
-    shared_victim = -1;
-  }
-  __syncthreads();
-  if (shared_word != batch_status_clear) {
-    if (t == 0) give_up(bh, shared_word, victims, status);
-    return;
-  }
-
   const std::int32_t count = st.slots.counts[bh], length = st.slots.lengths[b];
-  const std::int32_t* positions = st.slots.positions_of(b, h);
-  const float* current = st.scores_of(b, h);
-  float* updated = st.spare_scores_of(b, h);
-  unsigned long long problem = batch_status_clear, best = ~0ull;
-  std::int32_t best_slot = -1, candidates = 0;
-  for (std::int32_t s = t; s < count; s += BlockThreads) {
-    const slot_increment inc = source.increment(b, h, s);
-    if (inc.code != batch_code::ok) {
-      problem = minimum_of{}(problem, static_cast<unsigned long long>(pack_status(b, h, s, inc.code)));
-      continue;
+  const std::int32_t buffer = st.score_buffer[bh];
+  // Chunks past the occupied slots have nothing to do and do not arrive.
+  const std::int32_t chunks = count > split.chunk_slots ? (count + split.chunk_slots - 1) / split.chunk_slots : 1;
+  if (chunk >= chunks) return;
+
+  // Never a column the input does not have: such a head is refused (narrow_input).
+  const std::int32_t width = count < source.columns() ? count : source.columns();
+  const std::int32_t first = chunk * split.chunk_slots;
+  const std::int32_t end = width < first + split.chunk_slots ? width : first + split.chunk_slots;
+  const std::int32_t* __restrict__ positions = st.slots.positions_of(b, h);
+  const float* __restrict__ current = st.buffer_of(b, h, buffer);
+  float* __restrict__ updated = st.buffer_of(b, h, 1 - buffer);
+  const victim_order order = st.rule.order(st.stream_of(b), h, length);
+
+  row_partial part;
+  if (chunk == 0) part.head = kvevict::detail::head_check_share(st, source, b, h, t, kThreads);
+  for (std::int32_t base = first; base < end; base += kTile) {
+    std::int32_t s[kItems], pos[kItems];
+    float cur[kItems];
+    slot_increment inc[kItems];
+    KVEVICT_UNROLL
+    for (int u = 0; u < kItems; ++u) {  // past the end: a valid slot whose result is dropped
+      const std::int32_t slot = base + u * kThreads + t;
+      s[u] = slot < end ? slot : end - 1;
     }
-    const float score = kvevict::detail::add(current[s], inc.value);
-    if (classify_input(score, false) != batch_code::ok) {
-      problem = minimum_of{}(problem, static_cast<unsigned long long>(pack_status(b, h, s, batch_code::score_overflow)));
-      continue;
+    KVEVICT_UNROLL
+    for (int u = 0; u < kItems; ++u) {
+      pos[u] = __ldg(positions + s[u]);
+      cur[u] = __ldg(current + s[u]);
     }
-    updated[s] = score;
-    if (st.rule.protect.covers(positions[s], length)) continue;
-    ++candidates;
-    const unsigned long long key = st.rule.key(score, positions[s]);
-    if (key < best) {
-      best = key;
-      best_slot = s;
-    }
+    source.template fold_items<kItems>(b, h, s, inc);
+    KVEVICT_UNROLL
+    for (int u = 0; u < kItems; ++u)
+      if (base + u * kThreads + t < end)
+        observe_slot(st.rule, order, b, h, s[u], pos[u], length, cur[u], inc[u], updated, part);
   }
-  problem = reduce_keys(temp.keys).Reduce(problem, minimum_of{});
-  __syncthreads();  // everyone has read shared_word above before thread 0 rewrites it
-  if (t == 0) shared_word = problem;
-  __syncthreads();
-  if (shared_word != batch_status_clear) {
-    if (t == 0) give_up(bh, shared_word, victims, status);
+  part = reduce(temp).Reduce(part, merge_partials{});
+  if (chunks == 1) {
+    if (t == 0) finish_row(st, b, h, count, part, victims, status);
     return;
   }
 
-  if (count > st.rule.budget) {
-    if constexpr (Rule == victim_rule::random_rank) {
-      const std::int32_t n = reduce_counts(temp.counts).Sum(candidates);
-      if (t == 0) shared_rank = n > 0 ? random_victim_rank(st.rule.seed, st.streams[b], h, length, n) : -1;
-      __syncthreads();
-      if (shared_rank >= 0) {
-        const std::uint32_t position = select::select(temp.select, shared_rank, [&](auto add) {
-          for (std::int32_t s = t; s < count; s += BlockThreads)
-            if (!st.rule.protect.covers(positions[s], length)) add(static_cast<std::uint32_t>(positions[s]));
-        });
-        for (std::int32_t s = t; s < count; s += BlockThreads)
-          if (positions[s] == static_cast<std::int32_t>(position)) shared_victim = s;
-      }
-    } else {
-      publish_lowest_key<BlockThreads>(temp.keys, best, best_slot, shared_word, shared_victim);
-    }
+  // Several blocks: publish this chunk's part; the last block of the row to
+  // arrive merges them all (the fences order the scores and parts before
+  // the count) and commits, then leaves the counter at 0 for the next call.
+  row_partial* parts = st.work.partials + bh * max_row_chunks(st.capacity());
+  if (t == 0) {
+    parts[chunk] = part;
+    __threadfence();
+    finisher = atomicAdd(st.work.arrivals + bh, 1u) == static_cast<unsigned>(chunks - 1);
   }
   __syncthreads();
+  if (!finisher) return;
+  __threadfence();
+  row_partial total;
+  for (std::int32_t c = t; c < chunks; c += kThreads) total = row_partial::merge(total, load_partial(parts + c));
+  total = reduce(temp).Reduce(total, merge_partials{});
   if (t == 0) {
-    kvevict::detail::commit_observe_evict(st, b, h, shared_victim);
-    if (victims) victims[bh] = shared_victim;
+    st.work.arrivals[bh] = 0;
+    finish_row(st, b, h, count, total, victims, status);
   }
-}
-
-template <victim_rule Rule, class Source>
-cudaError_t launch_observe_evict(const batch_state_view& st, const active_set& active, const Source& source,
-                                 std::int32_t* victims, std::uint64_t* status, cudaStream_t stream) {
-  const std::int64_t blocks = std::int64_t{active.entries(st.num_seqs())} * st.num_heads();
-  if (blocks == 0) return cudaSuccess;
-  observe_evict_kernel<kBlockThreads, Rule, Source>
-      <<<static_cast<unsigned>(blocks), kBlockThreads, 0, stream>>>(st, active, source, victims, status);
-  return cudaGetLastError();
-}
-
-/// One kernel per victim rule: the rule is a compile-time choice.
-template <class Source>
-cudaError_t dispatch_observe_evict(const batch_state_view& st, const active_set& active, const Source& source,
-                                   std::int32_t* victims, std::uint64_t* status, cudaStream_t stream) {
-  switch (st.rule.victim) {
-    case victim_rule::lowest_score:
-      return launch_observe_evict<victim_rule::lowest_score>(st, active, source, victims, status, stream);
-    case victim_rule::oldest:
-      return launch_observe_evict<victim_rule::oldest>(st, active, source, victims, status, stream);
-    case victim_rule::random_rank:
-      return launch_observe_evict<victim_rule::random_rank>(st, active, source, victims, status, stream);
-  }
-  return cudaErrorInvalidValue;
 }
 
 inline void require_common(const kvevict::detail::site& w, const batch_state_view& st, const active_set& active,
@@ -161,6 +158,66 @@ inline void require_common(const kvevict::detail::site& w, const batch_state_vie
   kvevict::detail::require_not_null(w, "status", status);
   if (std::int64_t{active.entries(st.num_seqs())} * st.num_heads() > 0x7FFFFFFF)
     kvevict::detail::fail<invalid_argument>(w, "active", "gives more (sequence, head) blocks than a grid holds");
+}
+
+/// The decode launch with a given split (tests force several chunks per row
+/// on small rows with it); `split` must come from split_by_tiles.
+template <class Source>
+cudaError_t launch_observe_evict(const batch_state_view& st, const active_set& active, const Source& source,
+                                 std::int32_t* victims, std::uint64_t* status, cudaStream_t stream,
+                                 const row_split& split) {
+  const kvevict::detail::site w{"cuda", "observe_evict"};
+  const std::int64_t rows = std::int64_t{active.entries(st.num_seqs())} * st.num_heads();
+  if (split.chunks > 1) kvevict::detail::require_not_null(w, "state.work.partials", st.work.partials);
+  kvevict::detail::require_not_null(w, "state.work.arrivals", st.work.arrivals);
+  if (split.chunks < 1 || split.chunks > max_row_chunks(st.capacity()) || split.chunk_slots % decode_tuning::tile)
+    kvevict::detail::fail<invalid_argument>(w, "split", "is not a split of the state's rows into whole tiles");
+  if (rows * split.chunks > 0x7FFFFFFF)
+    kvevict::detail::fail<invalid_argument>(w, "active", "gives more blocks than a grid holds");
+  if (rows == 0) return cudaSuccess;
+  observe_evict_kernel<Source><<<static_cast<unsigned>(rows * split.chunks), decode_tuning::threads, 0, stream>>>(
+      st, active, source, split, victims, status);
+  return cudaGetLastError();
+}
+
+/// The split the launchers use: split_rows for the active rows on this device.
+inline row_split default_split(const batch_state_view& st, const active_set& active) {
+  return split_rows(std::int64_t{active.entries(st.num_seqs())} * st.num_heads(), st.capacity(), device_sm_count());
+}
+
+/// Observe + evict from batch_probs, batch_head_scores or batch_logits with
+/// a given split (see launch_observe_evict).
+template <class Input>
+cudaError_t observe_evict_split(const batch_state_view& st, const active_set& active, const Input& in,
+                                std::int32_t* victims, std::uint64_t* status, cudaStream_t stream,
+                                const row_split& split) {
+  const kvevict::detail::site w{"cuda", "observe_evict"};
+  require_common(w, st, active, status);
+  kvevict::detail::require_input(w, st, in);
+  if (st.history.keys)
+    kvevict::detail::fail<invalid_argument>(w, "in", "is not queries + LSE, which exact_greedy needs (with the cache)");
+  return launch_observe_evict(st, active, score_source<Input>{in, st.group_size(), st.rule.reduce}, victims, status,
+                              stream, split);
+}
+
+/// Observe + evict from queries + LSE with a given split; exact_greedy (a
+/// state with a history) runs its own kernel, one block per (b, h).
+template <class Q, class T, class Layout>
+cudaError_t observe_evict_split(const batch_state_view& st, const active_set& active, const batch_queries<Q>& in,
+                                const kv_view<T, Layout>& cache, std::int32_t* victims, std::uint64_t* status,
+                                cudaStream_t stream, const row_split& split) {
+  const kvevict::detail::site w{"cuda", "observe_evict"};
+  require_common(w, st, active, status);
+  kvevict::detail::require_input(w, st, in, cache);
+  if (st.history.keys) {
+    kvevict::detail::require_history(w, st);
+    if (cache.head_dim != st.history.head_dim)
+      kvevict::detail::fail<invalid_argument>(w, "cache.head_dim", "= ", cache.head_dim, ", the history has ",
+                                              st.history.head_dim);
+    return launch_exact_greedy(st, active, in, cache, victims, status, stream);
+  }
+  return launch_observe_evict(st, active, query_source<Q, T, Layout>{in, cache, st.group_size(), st.rule.reduce},
+                              victims, status, stream, split);
 }
 
 }  // namespace detail
@@ -173,13 +230,7 @@ inline void require_common(const kvevict::detail::site& w, const batch_state_vie
 template <class Input>
 cudaError_t batched_observe_evict(const batch_state_view& st, const active_set& active, const Input& in,
                                   std::int32_t* victims, std::uint64_t* status, cudaStream_t stream) {
-  const kvevict::detail::site w{"cuda", "observe_evict"};
-  detail::require_common(w, st, active, status);
-  kvevict::detail::require_input(w, st, in);
-  if (st.history.keys)
-    kvevict::detail::fail<invalid_argument>(w, "in", "is not queries + LSE, which exact_greedy needs (with the cache)");
-  const score_source<Input> source{in, st.group_size(), st.rule.reduce};
-  return detail::dispatch_observe_evict(st, active, source, victims, status, stream);
+  return detail::observe_evict_split(st, active, in, victims, status, stream, detail::default_split(st, active));
 }
 
 /// Observe + evict from queries + LSE (device memory), the logits recomputed
@@ -189,18 +240,8 @@ template <class Q, class T, class Layout>
 cudaError_t batched_observe_evict(const batch_state_view& st, const active_set& active, const batch_queries<Q>& in,
                                   const kv_view<T, Layout>& cache, std::int32_t* victims, std::uint64_t* status,
                                   cudaStream_t stream) {
-  const kvevict::detail::site w{"cuda", "observe_evict"};
-  detail::require_common(w, st, active, status);
-  kvevict::detail::require_input(w, st, in, cache);
-  if (st.history.keys) {
-    kvevict::detail::require_history(w, st);
-    if (cache.head_dim != st.history.head_dim)
-      kvevict::detail::fail<invalid_argument>(w, "cache.head_dim", "= ", cache.head_dim, ", the history has ",
-                                              st.history.head_dim);
-    return detail::launch_exact_greedy(st, active, in, cache, victims, status, stream);
-  }
-  const query_source<Q, T, Layout> source{in, cache, st.group_size(), st.rule.reduce};
-  return detail::dispatch_observe_evict(st, active, source, victims, status, stream);
+  return detail::observe_evict_split(st, active, in, cache, victims, status, stream,
+                                     detail::default_split(st, active));
 }
 
 }  // namespace gpu

@@ -22,50 +22,17 @@
 #include <cstdint>
 
 #include "kvevict/config.hpp"
+#include "kvevict/select/device_plan.hpp"
 #include "kvevict/select/segments.hpp"
 
 namespace kvevict {
 namespace gpu {
 namespace detail {
 
-inline constexpr int kRadixBits = 8;
-inline constexpr int kRadixBins = 1 << kRadixBits;
-inline constexpr int kFirstShift = 64 - kRadixBits;  ///< the shift of the most significant digit
-
 /// The digit of `key` at `shift`.
 KVEVICT_HOST_DEVICE inline int radix_digit(std::uint64_t key, int shift) noexcept {
   return static_cast<int>((key >> shift) & (kRadixBins - 1));
 }
-
-/// What is known of the k-th lowest key of a segment after some digit passes.
-/// Plain data: the multi-block path keeps one per segment in the workspace.
-struct radix_threshold {
-  std::uint64_t prefix;     ///< the known high digits of the k-th key (zero below them)
-  std::uint64_t mask;       ///< the bits `prefix` covers: a run of high bits
-  std::int32_t remaining;   ///< how many candidates, taken by ascending index, complete the selection
-  std::int32_t done;        ///< 1 when no further pass is needed
-
-  /// Before the first pass: every key is a candidate. Selecting none or all
-  /// needs no pass at all.
-  KVEVICT_HOST_DEVICE static radix_threshold start(std::int32_t k, std::int32_t n) noexcept {
-    return radix_threshold{0, 0, k, (k == 0 || k == n) ? 1 : 0};
-  }
-  /// Selected whatever the index: its known high bits are below the k-th key's.
-  KVEVICT_HOST_DEVICE bool below(std::uint64_t key) const noexcept { return (key & mask) < prefix; }
-  /// Its known high bits equal the k-th key's: selected if among the first
-  /// `remaining` such keys by index.
-  KVEVICT_HOST_DEVICE bool candidate(std::uint64_t key) const noexcept { return (key & mask) == prefix; }
-
-  /// Fixes the digit at `shift` to `digit`, the bin whose candidates number
-  /// `count` and are preceded by `before` candidates in lower bins (which are
-  /// now below the threshold and selected).
-  KVEVICT_HOST_DEVICE void descend(int digit, int shift, std::int32_t before, std::int32_t count) noexcept {
-    prefix |= static_cast<std::uint64_t>(digit) << shift;
-    mask |= static_cast<std::uint64_t>(kRadixBins - 1) << shift;
-    remaining -= before;
-    done = (remaining == count || shift == 0) ? 1 : 0;
-  }
-};
 
 /// The result of a digit search: the chosen bin, the candidates in lower
 /// bins and in the bin itself. digit < 0: not found (cannot happen while the

@@ -55,15 +55,23 @@ inline cudaError_t reset_batch_sequences(const batch_state_view& st, const activ
   return cudaGetLastError();
 }
 
-/// Initialises a state carved by make_batch_state in device memory. The
-/// history rows are zeroed too: not needed by the kernels, but it makes every
+/// Initialises a state carved by make_batch_state in device memory (its
+/// workspace's counters included). The history rows are zeroed too: not needed by the kernels, but it makes every
 /// byte of the state defined, so copies of it are (compute-sanitizer's
 /// initcheck).
 inline cudaError_t init_batch_state(const batch_state_view& st, cudaStream_t stream) {
+  // The split rows' arrival counters start (and stay, between calls) at 0,
+  // evict_to's gathered checks at all ones.
+  const std::size_t heads = std::size_t(st.num_seqs()) * st.num_heads();
+  cudaError_t e = cudaSuccess;
+  if (st.work.arrivals) e = cudaMemsetAsync(st.work.arrivals, 0, heads * sizeof(std::uint32_t), stream);
+  if (e == cudaSuccess && st.work.evict_plans)
+    e = cudaMemsetAsync(st.work.evict_plans, 0xFF, heads * sizeof(evict_to_plan), stream);
+  if (e != cudaSuccess) return e;
   if (st.history.keys) {
     const std::size_t bytes = std::size_t(st.num_seqs()) * st.num_heads() * std::size_t(st.history.max_tokens) *
                               std::size_t(st.history.head_dim) * sizeof(float);
-    cudaError_t e = cudaMemsetAsync(st.history.keys, 0, bytes, stream);
+    e = cudaMemsetAsync(st.history.keys, 0, bytes, stream);
     if (e == cudaSuccess) e = cudaMemsetAsync(st.history.values, 0, bytes, stream);
     if (e != cudaSuccess) return e;
   }

@@ -139,7 +139,7 @@ bool fold_and_add_probability_rows(RowOf rows, std::int32_t g, group_reduce redu
 
 /// score[s] = next[s] for s < width (next from next_scores; may be score),
 /// and the victim among the occupied slots [0, width) by `rule` (lowest_score
-/// or oldest; not random_rank) when the newest position is length - 1: the
+/// or oldest; not random_priority) when the newest position is length - 1: the
 /// slot pick_victim returns, or -1 when every occupied token is protected.
 /// Scores are finite here, so float order is the eviction_key order (-0 and
 /// +0 tie there too); ties go to the lowest position, which is unique.

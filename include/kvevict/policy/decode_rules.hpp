@@ -11,8 +11,8 @@
 //   - probability_from_logit, attention_logit: the logits + LSE and
 //     queries + LSE paths, with a fixed operation order so every backend
 //     gets the same bits (reproducible_math.hpp);
-//   - random_victim_rank: which unprotected token the random policy takes.
-#include <algorithm>
+//   - victim_order: the per-step key whose minimum is the victim, random's
+//     Philox priorities included.
 #include <cstdint>
 
 #include "kvevict/batch/status.hpp"
@@ -35,11 +35,29 @@ struct protection {
   }
 };
 
-/// How a policy picks its decode victim among the unprotected occupied slots.
+/// How a policy picks its decode victim among the unprotected occupied slots:
+/// always the lowest of a 64-bit key (victim_order), so one minimum (or, for
+/// evict_to, one bottom-k selection) serves every rule on every device.
 enum class victim_rule : std::uint8_t {
-  lowest_score,  ///< lowest eviction_key(score, position): h2o, exact_greedy
-  oldest,        ///< lowest position: recent_window
-  random_rank,   ///< the k-th by position, k from Philox: random
+  lowest_score,     ///< lowest eviction_key(score, position): h2o, exact_greedy
+  oldest,           ///< lowest position: recent_window
+  random_priority,  ///< lowest Philox priority of the step, then position: random
+};
+
+/// The victim key of one decode step of one (sequence, KV head): lower
+/// evicts first, and keys are distinct because positions are.
+struct victim_order {
+  victim_rule victim = victim_rule::lowest_score;
+  philox4x32_key step{};  ///< random_priority: random_step_key of the step
+
+  KVEVICT_HOST_DEVICE std::uint64_t key(float score, std::int32_t position) const noexcept {
+    const std::uint64_t low = static_cast<std::uint32_t>(position);
+    switch (victim) {
+      case victim_rule::oldest: return low;
+      case victim_rule::random_priority: return std::uint64_t{random_priority(step, position)} << 32 | low;
+      default: return eviction_key(score, position);
+    }
+  }
 };
 
 /// A policy's decode decision as plain data, passed to kernels by value.
@@ -48,11 +66,16 @@ struct decode_rule {
   protection protect;
   std::int32_t budget = 0;  ///< tokens kept after an eviction; capacity >= budget + 1
   group_reduce reduce = group_reduce::sum;
-  std::uint64_t seed = 0;   ///< random_rank only
+  std::uint64_t seed = 0;   ///< random_priority only
 
-  /// The key whose minimum is the victim (victim_rule::random_rank aside).
-  KVEVICT_HOST_DEVICE std::uint64_t key(float score, std::int32_t position) const noexcept {
-    return victim == victim_rule::oldest ? std::uint64_t(std::uint32_t(position)) : eviction_key(score, position);
+  /// The victim key of the step whose newest position is length - 1, for
+  /// KV head `head` of a sequence with request stream `stream` (random's
+  /// draws; the other rules ignore both).
+  KVEVICT_HOST_DEVICE victim_order order(std::uint64_t stream, std::int32_t head, std::int32_t length) const noexcept {
+    victim_order o;
+    o.victim = victim;
+    if (victim == victim_rule::random_priority) o.step = random_step_key(seed, stream, head, length - 1);
+    return o;
   }
 };
 
@@ -78,28 +101,44 @@ KVEVICT_HOST_DEVICE inline batch_code classify_input(float x, bool probability) 
   return batch_code::ok;
 }
 
-/// reduce over q in [first_q, first_q + g) of value(q), folded in ascending
-/// q in float: sum, mean (the sum divided by g) or max. Every value is
-/// checked first (finite; non-negative when `probabilities`). value() may
-/// throw: the host's checked paths validate the elements it sums.
+/// One slot's fold over the query heads of a group, value by value in
+/// ascending q: sum, mean (the sum divided by g at the end) or max, in float
+/// from +0; the first value that is not a usable input (finite; not negative
+/// when `probabilities`) names the slot's problem. Kernels keep one per slot
+/// and feed them a query head at a time, so every load of a head is issued
+/// before any value is looked at; fold_group is the same fold for one slot.
+struct group_fold {
+  float acc = 0.0f;
+  batch_code code = batch_code::ok;
+  std::int32_t query = -1;
+
+  KVEVICT_HOST_DEVICE void add(float x, std::int32_t q, group_reduce reduce, bool probabilities) noexcept {
+    const batch_code c = classify_input(x, probabilities);
+    if (code == batch_code::ok && c != batch_code::ok) {
+      code = c;
+      query = q;
+    }
+    acc = reduce == group_reduce::max ? (x > acc ? x : acc) : detail::add(acc, x);
+  }
+  KVEVICT_HOST_DEVICE slot_increment finish(group_reduce reduce, std::int32_t g) const noexcept {
+    slot_increment out;
+    out.code = code;
+    out.query = query;
+    if (code == batch_code::ok) out.value = reduce == group_reduce::mean ? detail::div(acc, static_cast<float>(g)) : acc;
+    return out;
+  }
+};
+
+/// reduce over q in [first_q, first_q + g) of value(q), folded by
+/// group_fold; stops at the first bad value. value() may throw: the host's
+/// checked paths validate the elements it sums.
 KVEVICT_EXEC_CHECK_DISABLE
 template <class Value>
 KVEVICT_HOST_DEVICE inline slot_increment fold_group(std::int32_t first_q, std::int32_t g, group_reduce reduce,
                                                      bool probabilities, Value value) {
-  slot_increment out;
-  float acc = 0.0f;
-  for (std::int32_t j = 0; j < g; ++j) {
-    const float x = value(first_q + j);
-    const batch_code code = classify_input(x, probabilities);
-    if (code != batch_code::ok) {
-      out.code = code;
-      out.query = first_q + j;
-      return out;
-    }
-    acc = reduce == group_reduce::max ? (x > acc ? x : acc) : detail::add(acc, x);
-  }
-  out.value = reduce == group_reduce::mean ? detail::div(acc, static_cast<float>(g)) : acc;
-  return out;
+  group_fold fold;
+  for (std::int32_t j = 0; j < g && fold.code == batch_code::ok; ++j) fold.add(value(first_q + j), first_q + j, reduce, probabilities);
+  return fold.finish(reduce, g);
 }
 
 /// exp(logit * scale - lse), with lse in natural log or base 2. logit *
@@ -117,66 +156,87 @@ KVEVICT_HOST_DEVICE KVEVICT_REPRODUCIBLE inline float probability_from_logit(flo
 /// (stride q_stride), in the order every backend uses: products summed left
 /// to right within chunks of 16 bytes of K (16 / sizeof(K) elements; a GPU
 /// lane's vector load), then the chunk sums combined pairwise, as a balanced
-/// tree over a power-of-two count with +0 for the missing chunks.
-template <class Q, class K>
-KVEVICT_HOST_DEVICE KVEVICT_REPRODUCIBLE inline float attention_logit(const Q* q, std::int64_t q_stride, const K* k,
-                                                                      std::int32_t head_dim) noexcept {
+/// tree over a power-of-two count with +0 for the missing chunks. The tree
+/// is built as a binary counter (level[i]: a finished subtree of 2^i
+/// chunks) whose levels are only ever indexed by unrolled constants, so a
+/// GPU keeps them in registers.
+namespace detail {
+
+/// attention_logit with room for a tree of 2^(Levels - 1) chunks; Levels is
+/// a compile-time bound so that a GPU keeps the levels in registers.
+template <int Levels, class Q, class K>
+KVEVICT_HOST_DEVICE KVEVICT_REPRODUCIBLE inline float chunk_tree_logit(const Q* q, std::int64_t q_stride, const K* k,
+                                                                       std::int32_t head_dim) noexcept {
   KVEVICT_FP_CONTRACT_OFF
   constexpr std::int32_t chunk = static_cast<std::int32_t>(16 / sizeof(K));
-  float level[32];          // level[i]: a finished subtree of 2^i chunks
-  std::uint32_t pushed = 0;  // chunks pushed so far; bit i set when level[i] is in use
-  auto push = [&](float v) {
-    std::int32_t i = 0;
-    for (; (pushed >> i) & 1u; ++i) v = detail::add(level[i], v);
-    level[i] = v;
+  float level[Levels] = {};  // every level is written before it is read; zeroed for the compilers' sake
+  std::uint32_t pushed = 0;  // chunks pushed so far; bit i set when level[i] holds a subtree
+  for (std::int32_t c = 0; c < head_dim || (pushed & (pushed - 1u)); c += chunk) {
+    float v = 0.0f;  // past head_dim: +0 pads the count to a power of two
+    if (c < head_dim) {
+      const std::int32_t end = c + chunk < head_dim ? c + chunk : head_dim;
+      v = mul(to_float(q[c * q_stride]), to_float(k[c]));
+      for (std::int32_t d = c + 1; d < end; ++d) v = add(v, mul(to_float(q[d * q_stride]), to_float(k[d])));
+    }
+    bool placed = false;  // push v: merge it with the finished subtrees of its size
+    KVEVICT_UNROLL
+    for (int i = 0; i < Levels; ++i) {
+      if (placed) continue;
+      if ((pushed >> i) & 1u) {
+        v = add(level[i], v);  // the earlier (left) subtree first
+      } else {
+        level[i] = v;
+        placed = true;
+      }
+    }
     ++pushed;
-  };
-  for (std::int32_t c = 0; c < head_dim; c += chunk) {
-    const std::int32_t end = c + chunk < head_dim ? c + chunk : head_dim;
-    float sum = detail::mul(to_float(q[c * q_stride]), to_float(k[c]));
-    for (std::int32_t d = c + 1; d < end; ++d) sum = detail::add(sum, detail::mul(to_float(q[d * q_stride]), to_float(k[d])));
-    push(sum);
   }
-  while (pushed & (pushed - 1u)) push(0.0f);
-  std::int32_t top = 0;
-  while ((1u << top) < pushed) ++top;
-  return level[top];
+  float root = 0.0f;
+  KVEVICT_UNROLL
+  for (int i = 0; i < Levels; ++i)
+    if (pushed == (1u << i)) root = level[i];  // pushed is a power of two: the one full level
+  return root;
 }
 
-/// The rank, in position order among the `candidates` unprotected tokens,
-/// of the random policy's victim for KV head h when the newest token of the
-/// request `stream` has position length - 1; `round` numbers the victims of
-/// one evict_to call (round 0 is evict's victim).
-KVEVICT_HOST_DEVICE inline std::int32_t random_victim_rank(std::uint64_t seed, std::uint64_t stream, std::int32_t h,
-                                                           std::int32_t length, std::int32_t candidates,
-                                                           std::int32_t round = 0) noexcept {
-  const std::uint32_t draw = random_draw(seed, random_use::decode_victim, stream, h, length - 1, round);
-  return static_cast<std::int32_t>(uniform_index(draw, static_cast<std::uint32_t>(candidates)));
+/// Any int32 head_dim, out of line: rare, and its 32 levels would size the
+/// registers of every caller.
+template <class Q, class K>
+KVEVICT_HOST_DEVICE KVEVICT_NOINLINE float wide_tree_logit(const Q* q, std::int64_t q_stride, const K* k,
+                                                           std::int32_t head_dim) noexcept {
+  return chunk_tree_logit<32>(q, q_stride, k, head_dim);
 }
 
-/// The victim among the occupied slots [0, width) of one (sequence, head) by
-/// `rule` (positions -1 for free slots), or -1 when every occupied token is
-/// protected; stream and head key random's draw. `scratch` holds width ints.
-/// The host's form; the CUDA kernels reduce the same keys in parallel.
+}  // namespace detail
+
+/// q . k in float for a cached key row k (contiguous) and a query row q
+/// (stride q_stride), in the order every backend uses: products summed left
+/// to right within chunks of 16 bytes of K (16 / sizeof(K) elements; a GPU
+/// lane's vector load), then the chunk sums combined pairwise, as a balanced
+/// tree over a power-of-two count with +0 for the missing chunks. The tree
+/// is built as a binary counter (level i: a finished subtree of 2^i chunks);
+/// head dims up to 256 chunks (2048 bf16 elements) keep it in 9 levels.
+template <class Q, class K>
+KVEVICT_HOST_DEVICE inline float attention_logit(const Q* q, std::int64_t q_stride, const K* k,
+                                                 std::int32_t head_dim) noexcept {
+  constexpr std::int32_t chunk = static_cast<std::int32_t>(16 / sizeof(K));
+  if (head_dim <= 256 * chunk) return detail::chunk_tree_logit<9>(q, q_stride, k, head_dim);
+  return detail::wide_tree_logit(q, q_stride, k, head_dim);
+}
+
+/// The victim among the occupied slots [0, width) of one (sequence, head)
+/// when the newest position is length - 1: the lowest victim key (stream and
+/// head key random's draws) among the unprotected (positions -1 for free
+/// slots), or -1 when every occupied token is protected. The host's form;
+/// the CUDA kernels reduce the same keys in parallel.
 inline std::int32_t pick_victim(const decode_rule& rule, const std::int32_t* positions, const float* scores,
-                                std::int32_t width, std::int32_t length, std::uint64_t stream, std::int32_t head,
-                                std::int32_t* scratch) {
-  if (rule.victim == victim_rule::random_rank) {
-    std::int32_t n = 0;
-    for (std::int32_t s = 0; s < width; ++s)
-      if (positions[s] >= 0 && !rule.protect.covers(positions[s], length)) scratch[n++] = s;
-    if (n == 0) return -1;
-    const std::int32_t k = random_victim_rank(rule.seed, stream, head, length, n);
-    std::nth_element(scratch, scratch + k, scratch + n,
-                     [positions](std::int32_t x, std::int32_t y) { return positions[x] < positions[y]; });
-    return scratch[k];
-  }
+                                std::int32_t width, std::int32_t length, std::uint64_t stream, std::int32_t head) {
+  const victim_order order = rule.order(stream, head, length);
   std::int32_t victim = -1;
   std::uint64_t best = 0;
   for (std::int32_t s = 0; s < width; ++s) {
     const std::int32_t p = positions[s];
     if (p < 0 || rule.protect.covers(p, length)) continue;
-    const std::uint64_t key = rule.key(scores[s], p);
+    const std::uint64_t key = order.key(scores[s], p);
     if (victim < 0 || key < best) {
       best = key;
       victim = s;

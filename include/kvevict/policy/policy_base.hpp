@@ -453,7 +453,7 @@ class policy_base {
   /// occupied token is protected.
   std::int32_t choose_victim(std::int32_t b, std::int32_t h) const {
     return pick_victim(rule_, slots_.positions_of(b, h), scores_of(b, h), shape_.capacity, slots_.length(b),
-                       derived().stream_of(b), h, order_.data());
+                       derived().stream_of(b), h);
   }
 
  protected:
@@ -558,11 +558,12 @@ class policy_base {
       move_counts_[std::size_t(h)] = 0;
       if (freed == 0) continue;  // nothing above target: the slots stay as they are
       const std::int32_t count = slots_.count(b, h) - freed;
+      const std::int32_t end = detail::occupied_end(slots_.count(b, h), slots_.next_slot(b, h));
       slot_move* moves = moves_.data() + std::size_t(h) * shape_.capacity;
       move_counts_[std::size_t(h)] =
-          detail::refill_holes(slots_.positions_of(b, h), mutable_scores(b, h), shape_.capacity, count, rule_.budget,
+          detail::refill_holes(slots_.positions_of(b, h), mutable_scores(b, h), nullptr, count, rule_.budget, end,
                                order_.data(), slots_.next_slot_ref(b, h),
-                               [&](std::int32_t from, std::int32_t to) { *moves++ = slot_move{from, to}; });
+                               [&](std::int32_t i, std::int32_t from, std::int32_t to) { moves[i] = slot_move{from, to}; });
       slots_.count_ref(b, h) = count;
     }
     return freed;
@@ -668,7 +669,7 @@ class policy_base {
   /// each head's victim in the same pass, so evict only reads it. Ends the
   /// step's observation; nothing here can fail.
   void commit_next_scores(std::int32_t b, std::int32_t width) {
-    const bool find = rule_.victim != victim_rule::random_rank;
+    const bool find = rule_.victim != victim_rule::random_priority;
     for (std::int32_t h = 0; h < shape_.num_kv_heads; ++h) {
       const std::int32_t* pos = slots_.positions_of(b, h);
       const float* next = next_of(h);

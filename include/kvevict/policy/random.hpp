@@ -1,8 +1,10 @@
 #pragma once
 // Random eviction: a baseline that any score-based policy must beat. The
-// victim is uniform among the unprotected tokens, drawn from Philox4x32-10
-// keyed by (seed, request stream, head, position of the newest token), so the
-// host and CUDA backends, and any batch schedule, draw the same victims. Each
+// victim is uniform among the unprotected tokens: each candidate draws a
+// priority from Philox4x32-10 keyed by (seed, request stream, head, position
+// of the newest token) and its own position, and the lowest goes. Counter
+// based, so the host and CUDA backends, and any batch schedule, draw the same
+// victims; evict_to's k victims are the step's k lowest priorities. Each
 // request on a sequence index can have a stream of its own (reset(b, stream));
 // by default the stream is the sequence index.
 #include <algorithm>
@@ -31,8 +33,9 @@ struct policy_traits<random_policy> {
   static constexpr bool has_streams = true;
   static constexpr bool has_history = false;
 
-  /// Validates `c` and returns the rule: the k-th unprotected token by
-  /// position, k drawn from Philox for (seed, stream, head, newest position).
+  /// Validates `c` and returns the rule: the unprotected token with the
+  /// lowest Philox priority of the step (seed, stream, head, newest
+  /// position), so each is equally likely.
   static decode_rule rule(const random_config& c, const char* function = "constructor") {
     const detail::site w{name, function};
     if (c.sinks < 0) detail::fail<budget_error>(w, "config.sinks", "= ", c.sinks, " is negative");
@@ -41,7 +44,7 @@ struct policy_traits<random_policy> {
       detail::fail<budget_error>(w, "config.sinks + config.recent", "= ", std::int64_t{c.sinks} + c.recent,
                                  " leaves no evictable token within budget = ", c.budget);
     decode_rule r;
-    r.victim = victim_rule::random_rank;
+    r.victim = victim_rule::random_priority;
     r.protect = {c.sinks, c.recent};
     r.budget = c.budget;
     r.seed = c.seed;

@@ -1,0 +1,69 @@
+#pragma once
+// Launch shapes of the CUDA decode kernels, kept apart from the algorithm as
+// CUB keeps its tuning policies. Plain C++: the batched state sizes its
+// per-row workspace from them on the host, and host tests check the
+// heuristics' promises (every slot covered, no more chunks than the
+// workspace holds, enough blocks to fill the device).
+//
+// The fused observe + evict walks a (sequence, KV head) row in tiles of
+// threads x items slots; each thread issues the loads of its `items` slots
+// before it looks at any value. A long row is split into chunks of whole
+// tiles, one block each, so that one sequence of 128K slots still fills
+// every SM; the blocks of a row combine their exact minima (row_partial)
+// in the last block to arrive. Short rows take one block and no workspace.
+#include <cstdint>
+
+#include "kvevict/config.hpp"
+
+namespace kvevict {
+
+struct decode_tuning {
+  static constexpr int threads = 256;
+  static constexpr int items = 8;  ///< slots per thread per tile: loads in flight per thread
+  static constexpr std::int32_t tile = threads * items;
+  /// Resident blocks per SM the grid is sized for, and the kernel's
+  /// __launch_bounds__ minimum for the sources that fold `items` slots at
+  /// once: 3 x 256 threads caps them at 80 registers, which they fit
+  /// without spilling (ptxas, sm_90), 24 warps per SM with 8 loads in
+  /// flight each.
+  static constexpr int blocks_per_sm = 3;
+};
+
+/// How the blocks of a launch share each row: `chunks` blocks per row, each
+/// over `chunk_slots` consecutive slots (a multiple of decode_tuning::tile).
+struct row_split {
+  std::int32_t chunk_slots = decode_tuning::tile;
+  std::int32_t chunks = 1;
+};
+
+/// The most chunks a row of `capacity` slots is ever split into: one per
+/// tile. The state keeps a row_partial per chunk and row when it is above 1.
+KVEVICT_HOST_DEVICE constexpr std::int32_t max_row_chunks(std::int32_t capacity) noexcept {
+  return capacity <= decode_tuning::tile ? 1 : (capacity + decode_tuning::tile - 1) / decode_tuning::tile;
+}
+
+/// `chunk_tiles` tiles per chunk (at least 1) over a row of `capacity` slots.
+constexpr row_split split_by_tiles(std::int32_t capacity, std::int32_t chunk_tiles) noexcept {
+  const std::int32_t tiles = (capacity + decode_tuning::tile - 1) / decode_tuning::tile;
+  const std::int32_t per_chunk = chunk_tiles < 1 ? 1 : (chunk_tiles < tiles ? chunk_tiles : (tiles > 0 ? tiles : 1));
+  row_split split;
+  split.chunk_slots = per_chunk * decode_tuning::tile;
+  split.chunks = tiles > 0 ? (tiles + per_chunk - 1) / per_chunk : 1;
+  return split;
+}
+
+/// The split for `rows` active (sequence, head) rows of `capacity` slots on a
+/// device with `sms` multiprocessors: about as many chunks per row as it
+/// takes for rows x chunks to reach blocks_per_sm blocks on every SM, never
+/// smaller than a tile. Rows that fill at least half of that take one block
+/// each (a split then adds the combine and gains little).
+constexpr row_split split_rows(std::int64_t rows, std::int32_t capacity, std::int32_t sms) noexcept {
+  const std::int64_t wanted = std::int64_t{sms > 0 ? sms : 1} * decode_tuning::blocks_per_sm;
+  const std::int64_t per_row = rows > 0 ? wanted / rows : 1;  // chunks wanted per row
+  const std::int32_t tiles = (capacity + decode_tuning::tile - 1) / decode_tuning::tile;
+  if (per_row <= 1 || tiles <= 1) return split_by_tiles(capacity, tiles);
+  const std::int64_t chunk_tiles = (tiles + per_row - 1) / per_row;
+  return split_by_tiles(capacity, static_cast<std::int32_t>(chunk_tiles));
+}
+
+}  // namespace kvevict
