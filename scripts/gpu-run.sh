@@ -264,7 +264,7 @@ preflight() {
   if nvidia-smi -L 2>&1 | grep -q '^GPU '; then
     device=1
     nvidia-smi
-    nvidia-smi --query-gpu=name,driver_version,compute_cap,memory.total --format=csv,noheader | head -1 >"$WORK/device"
+    nvidia-smi --query-gpu=name,driver_version,compute_cap,memory.total,compute_mode --format=csv,noheader | head -1 >"$WORK/device"
   else
     echo "no GPU: nvidia-smi lists none"
   fi
