@@ -185,7 +185,9 @@ phase() {
     return 0
   fi
   local start=${EPOCHREALTIME//[.,]/} rc
-  timeout -k "$GRACE" "$limit" "$@" >>"$log" 2>&1 </dev/null
+  # The braces take bash's own "Killed" / "Segmentation fault" notes off the
+  # console: the result line of the log says it.
+  { timeout -k "$GRACE" "$limit" "$@" >>"$log" 2>&1 </dev/null; } 2>/dev/null
   rc=$?
   local tenths=$(((${EPOCHREALTIME//[.,]/} - start) / 100000)) result
   case $rc in
