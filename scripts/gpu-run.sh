@@ -70,8 +70,9 @@ declare -A CHOSEN=(
 
 # kvevict_bench_cuda rows (Google Benchmark --benchmark_filter, POSIX
 # extended regular expressions): the DESIGN section 11 targets only, cold.
-# Decode: h2o over S0-S5 and L8 (64 x 8 x 16K) beside the minimal fused
-# kernel and the copy bandwidth on the same bytes.
+# Decode: h2o over S0-S5 and L8 (64 x 8 x 16K; the report notes when the
+# binary has no such scenario) beside the minimal fused kernel and the copy
+# bandwidth on the same bytes.
 BENCH_DECODE='^gpu_decode/(h2o|fused_kernel|d2d_copy)/probs/(S[0-5]|L8)/evict1/powerlaw/f32(/|$)'
 # Selection: S1-S3, keep 20% and 50%, both ends, beside both CUB sorts.
 BENCH_SELECT='^gpu_select/(kvevict|cub_radix_sort|cub_segmented_sort)/(bottom|top)/S[1-3]/keep(20|50)/powerlaw/f32(/|$)'
@@ -85,7 +86,7 @@ TORCH_DECODE='^gpu_decode/torch_compile/probs/S[0-5]/evict1/powerlaw/f32$'
 TORCH_ROWS="^gpu_select/torch_topk/(bottom|top)/S[1-3]/keep(20|50)/powerlaw/f32\$|$TORCH_DECODE"
 # ============================================================================
 
-lanes_preflight() { phase preflight 10 "$SELF" --preflight; }
+lane_preflight() { phase preflight 10 "$SELF" --preflight; }
 
 # Plain runs, full mode (every dtype, every stream): CPU-bound host
 # references and small kernels, so all side by side.
@@ -138,7 +139,7 @@ lane_torch() {
 lane_report() { phase report 5 "$SELF" --report "$OUT"; }
 
 stages() {
-  stage preflight lanes_preflight
+  stage preflight lane_preflight
   stage tests lane_test_decode lane_test_select lane_test_prefill lane_test_exact_greedy lane_test_evict_to lane_demo
   stage sanitizers lane_san_decode lane_san_select lane_san_prefill lane_san_exact_greedy lane_san_evict_to \
     lane_torch_warmup
