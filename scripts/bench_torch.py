@@ -30,7 +30,9 @@ buffers, in one CUDA graph; before each replay (outside the CUDA events) a
 write of twice the L2 evicts the last replay's data; time per layer =
 replay / 32. Each repetition runs replays for at least --min-time seconds
 and reports their mean; the JSON holds mean / median / stddev aggregates
-over --reps repetitions, as --benchmark_repetitions does.
+over --reps repetitions, as --benchmark_repetitions does. The JSON is
+rewritten after every row, so a run cut short by a time limit keeps the
+rows it measured.
 """
 import argparse
 import datetime
@@ -192,6 +194,16 @@ def main():
         return 77
     prop = torch.cuda.get_device_properties(0)
     benchmarks = []
+    context = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "host_name": os.uname().nodename,
+               "executable": "bench_torch.py", "num_cpus": os.cpu_count(), "mhz_per_cpu": 0,
+               "library_build_type": "release", "torch_version": torch.__version__, "cuda_version": torch.version.cuda,
+               "device": prop.name, "layers": LAYERS}
+
+    def write():
+        """The JSON so far, rewritten after every row: a run stopped by a time limit keeps the rows it measured."""
+        with open(args.out + ".part", "w") as f:
+            json.dump({"context": context, "benchmarks": benchmarks}, f, indent=1)
+        os.replace(args.out + ".part", args.out)
 
     def emit(row, reps, items, nbytes):
         means = [t for _, t in reps]
@@ -204,6 +216,7 @@ def main():
                                "aggregate_unit": "time", "iterations": sum(i for i, _ in reps),
                                "real_time": t * 1e6, "cpu_time": t * 1e6, "time_unit": "us",
                                "items_per_second": items * rate, "bytes_per_second": nbytes * rate})
+        write()
         print(f"{row:70s} {aggregates['median'] * 1e6:10.2f} us/layer", flush=True)
 
     failures = []
@@ -218,14 +231,7 @@ def main():
 
     select_rows(torch, args, measure)
     decode_rows(torch, args, measure)
-    run = {"context": {"date": datetime.datetime.now().isoformat(timespec="seconds"),
-                       "host_name": os.uname().nodename, "executable": "bench_torch.py",
-                       "num_cpus": os.cpu_count(), "mhz_per_cpu": 0, "library_build_type": "release",
-                       "torch_version": torch.__version__, "cuda_version": torch.version.cuda,
-                       "device": prop.name, "layers": LAYERS},
-           "benchmarks": benchmarks}
-    with open(args.out, "w") as f:
-        json.dump(run, f, indent=1)
+    write()
     if failures:
         print(f"bench_torch.py: {len(failures)} rows failed: {', '.join(failures)}", file=sys.stderr)
     return 1 if failures else 0
