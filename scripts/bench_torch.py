@@ -44,7 +44,8 @@ import sys
 
 # (name, B, KV heads, group, N, head_dim): the scenarios of docs/benchmarks.md.
 SCENARIOS = [("S0", 24, 32, 1, 820, 128), ("S1", 64, 8, 4, 4096, 128), ("S2", 16, 8, 4, 32768, 128),
-             ("S3", 1, 8, 4, 131072, 128), ("S4", 32, 32, 1, 8192, 64), ("S5", 1, 8, 4, 1024, 128)]
+             ("S3", 1, 8, 4, 131072, 128), ("S4", 32, 32, 1, 8192, 64), ("S5", 1, 8, 4, 1024, 128),
+             ("L8", 64, 8, 4, 16384, 128)]
 KEEPS = [("keep20", 20), ("keep50", 50)]
 DISTRIBUTIONS = ["powerlaw", "uniform", "neartie"]
 LAYERS = 32

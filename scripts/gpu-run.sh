@@ -50,9 +50,10 @@ TESTS=(test_cuda_decode test_cuda_select test_cuda_prefill test_cuda_exact_greed
 declare -A CHOSEN=(
   # h2o: observe_evict on all four inputs (probs, head_scores, logits,
   # queries), append with the K/V scatter, resets after a bad input;
-  # random: the radix-selected victim and reset_kernel with request streams;
-  # capacities: rows up to 128K slots, several blocks per row.
-  [test_cuda_decode]='cuda h2o*,cuda random*,cuda: capacities*'
+  # random: its Philox-keyed victim and reset_kernel with request streams;
+  # split rows: several blocks per row (the workspace partials, the last
+  # block's merge and commit) on every input kind.
+  [test_cuda_decode]='cuda h2o*,cuda random*,cuda split rows*'
   # One-block and multi-block paths, the CUB reorder by position, mask-only
   # and indices-only outputs, ragged lengths: every selection kernel.
   [test_cuda_select]='cuda select: uniform k*'
@@ -63,15 +64,16 @@ declare -A CHOSEN=(
   [test_cuda_prefill]='cuda prefill h2o*,cuda prefill: large head dims*'
   # Its one test case: exact_greedy_kernel on every layout.
   [test_cuda_exact_greedy]='cuda exact_greedy*'
-  # append_tokens and evict_to of every policy (the greedy one included);
-  # the narrow-input refusal of observe_evict.
-  [test_cuda_evict_to]='*'
+  # append_tokens and evict_to of every policy (the greedy one included):
+  # the plan, selection (one block per row), greedy and refill kernels; the
+  # narrow-input refusal of observe_evict. (The 6000-slot streams' multi-block
+  # selection is the kernels test_cuda_select runs under these tools.)
+  [test_cuda_evict_to]='CUDA multi-token*,CUDA observe*'
 )
 
 # kvevict_bench_cuda rows (Google Benchmark --benchmark_filter, POSIX
 # extended regular expressions): the DESIGN section 11 targets only, cold.
-# Decode: h2o over S0-S5 and L8 (64 x 8 x 16K; the report notes when the
-# binary has no such scenario) beside the minimal fused kernel and the copy
+# Decode: h2o over S0-S5 and L8 (64 x 8 x 16K) beside the minimal fused kernel and the copy
 # bandwidth on the same bytes.
 BENCH_DECODE='^gpu_decode/(h2o|fused_kernel|d2d_copy)/probs/(S[0-5]|L8)/evict1/powerlaw/f32(/|$)'
 # Selection: S1-S3, keep 20% and 50%, both ends, beside both CUB sorts.
@@ -82,7 +84,7 @@ BENCH_SELECT='^gpu_select/(kvevict|cub_radix_sort|cub_segmented_sort)/(bottom|to
 BENCH_MIN_TIME=0.01
 # scripts/bench_torch.py rows (Python regular expressions): the baselines of
 # the same targets.
-TORCH_DECODE='^gpu_decode/torch_compile/probs/S[0-5]/evict1/powerlaw/f32$'
+TORCH_DECODE='^gpu_decode/torch_compile/probs/(S[0-5]|L8)/evict1/powerlaw/f32$'
 TORCH_ROWS="^gpu_select/torch_topk/(bottom|top)/S[1-3]/keep(20|50)/powerlaw/f32\$|$TORCH_DECODE"
 # ============================================================================
 
