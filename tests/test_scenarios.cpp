@@ -836,6 +836,56 @@ prefill_result paged_prefill(Policy& pol, std::int32_t L, std::int32_t cap, std:
   return r;
 }
 
+TEST_CASE("layer budgets: PyramidKV's linear schedule, its inverse, and the refusals") {
+  // PyramidKV's reference formula, written out: A = average - window,
+  // bottom = A / beta, top = 2A - bottom, step = (top - bottom) / (L - 1),
+  // layer l keeps window + top - l * step.
+  for (const std::int32_t layers : {1, 2, 3, 24, 32, 80})
+    for (const std::int32_t window : {0, 8, 64})
+      for (const std::int32_t average : {window + 1, window + 20, 512, 2048})
+        for (const std::int32_t beta : {1, 4, 20}) {
+          if (average <= window) continue;
+          CAPTURE(layers);
+          CAPTURE(window);
+          CAPTURE(average);
+          CAPTURE(beta);
+          const long long share = average - window, bottom = share / beta, top = 2 * share - bottom;
+          const long long step = layers > 1 ? (top - bottom) / (layers - 1) : 0;
+          if (layers > 1 && window + top - (layers - 1) * step < 1) {  // an empty layer: refused
+            CHECK_THROWS_AS(layer_budgets(average, layers, window, beta), budget_error);
+            continue;
+          }
+          const std::vector<std::int32_t> got = layer_budgets(average, layers, window, beta);
+          const std::vector<std::int32_t> inverse =
+              layer_budgets(average, layers, window, beta, layer_schedule::inverted);
+          REQUIRE(got.size() == std::size_t(layers));
+          long long sum = 0;
+          for (std::int32_t l = 0; l < layers; ++l) {
+            const long long want = layers == 1 ? average : window + top - l * step;
+            CHECK(got[std::size_t(l)] == want);
+            CHECK(inverse[std::size_t(layers - 1 - l)] == want);
+            if (l > 0) CHECK(got[std::size_t(l)] <= got[std::size_t(l - 1)]);  // a pyramid
+            sum += got[std::size_t(l)];
+          }
+          // The floored step puts layer l less than l tokens above the exact
+          // line, whose mean is the average.
+          CHECK(sum >= std::int64_t{average} * layers);
+          CHECK(sum - std::int64_t{average} * layers < std::int64_t{layers} * (layers - 1) / 2 + 1);
+          if (layers > 1) CHECK(got.back() >= window + bottom);
+        }
+  // By hand: 32 layers averaging 512 with a 32-token window, beta 20: A =
+  // 480, bottom 24, top 936, step floor(912 / 31) = 29; layer 0 keeps 968,
+  // layer 31 keeps 968 - 31 * 29 = 69.
+  const std::vector<std::int32_t> p = layer_budgets(512, 32, 32, 20);
+  CHECK(p.front() == 968);
+  CHECK(p[1] == 939);
+  CHECK(p.back() == 69);
+  CHECK_THROWS_AS(layer_budgets(512, 0), invalid_argument);
+  CHECK_THROWS_AS(layer_budgets(16, 4, 16), budget_error);  // nothing beyond the window
+  CHECK_THROWS_AS(layer_budgets(512, 4, -1), budget_error);
+  CHECK_THROWS_AS(layer_budgets(512, 4, 0, 0), invalid_argument);
+}
+
 TEST_CASE("paged prefill reports reclaimable pages: used ceil(L/P) minus needed ceil((budget+1)/P)") {
   const std::int32_t P = 4, cap = 20;
   {
