@@ -33,24 +33,43 @@ namespace {
 
 using namespace kvevict;
 
-TEST_CASE("launch shapes: whole tiles cover every slot, chunks fit the workspace, few rows fill the device") {
+TEST_CASE("launch shapes: whole tiles cover every slot, chunks fit the workspace, the cheapest split is taken") {
   const std::int32_t tile = decode_tuning::tile;
-  for (const std::int64_t rows : {1, 2, 8, 64, 128, 512, 1024, 6000})
-    for (const std::int32_t cap : {2, 100, tile, tile + 1, 2 * tile, 32768, 100003, 131072})
-      for (const std::int32_t sms : {1, 108, 132}) {
-        CAPTURE(rows);
-        CAPTURE(cap);
-        CAPTURE(sms);
-        const row_split s = split_rows(rows, cap, sms);
-        CHECK(s.chunk_slots % tile == 0);
-        CHECK(std::int64_t{s.chunks} * s.chunk_slots >= cap);        // every slot has a chunk
-        CHECK(std::int64_t{s.chunks - 1} * s.chunk_slots < cap);     // no chunk is empty
-        CHECK(s.chunks <= max_row_chunks(cap));                      // the partials fit the state
-        const std::int64_t wanted = std::int64_t{sms} * decode_tuning::blocks_per_sm;
-        if (rows * 2 <= wanted && max_row_chunks(cap) >= wanted / rows)  // room to split: about a full device
-          CHECK(rows * s.chunks * 2 >= wanted);
-        if (rows * 2 > wanted) CHECK(s.chunks == 1);  // rows fill the device already: one block each
-      }
+  // The cost model, written out: waves of resident blocks x tiles per block.
+  const auto cost = [&](std::int64_t rows, std::int32_t cap, std::int64_t resident, std::int32_t per_chunk) {
+    const std::int64_t tiles = (cap + tile - 1) / tile, chunks = (tiles + per_chunk - 1) / per_chunk;
+    return (rows * chunks + resident - 1) / resident * per_chunk;
+  };
+  for (const std::int64_t rows : {1, 2, 8, 64, 128, 512, 768, 1024, 6000})
+    for (const std::int32_t cap : {2, 100, tile, tile + 1, 2 * tile, 16384, 32768, 100003, 131072})
+      for (const std::int32_t sms : {1, 108, 132})
+        for (const std::int32_t per_sm : {2, 3}) {
+          CAPTURE(rows);
+          CAPTURE(cap);
+          CAPTURE(sms);
+          CAPTURE(per_sm);
+          const row_split s = split_rows(rows, cap, sms, per_sm);
+          CHECK(s.chunk_slots % tile == 0);
+          CHECK(std::int64_t{s.chunks} * s.chunk_slots >= cap);     // every slot has a chunk
+          CHECK(std::int64_t{s.chunks - 1} * s.chunk_slots < cap);  // no chunk is empty
+          CHECK(s.chunks <= max_row_chunks(cap));                   // the partials fit the state
+          const std::int32_t tiles = (cap + tile - 1) / tile, chosen = s.chunk_slots / tile;
+          for (std::int32_t per_chunk = 1; per_chunk <= tiles; ++per_chunk) {
+            const std::int64_t other = cost(rows, cap, std::int64_t{sms} * per_sm, per_chunk);
+            const std::int64_t mine = cost(rows, cap, std::int64_t{sms} * per_sm, chosen);
+            CHECK(mine <= other);                                   // the cheapest
+            if (per_chunk > chosen) CHECK(mine < other);            // the longest chunks among equals
+          }
+        }
+  // The benchmark scenarios on an H100 (132 SMs, 3 blocks each): chunks per row.
+  const auto chunks = [&](std::int64_t rows, std::int32_t cap) { return split_rows(rows, cap, 132, 3).chunks; };
+  CHECK(chunks(24 * 32, 820) == 1);     // S0
+  CHECK(chunks(64 * 8, 4096) == 2);     // S1: 1024 blocks even out the waves
+  CHECK(chunks(16 * 8, 32768) == 3);    // S2: 384 blocks of 6 tiles, one wave
+  CHECK(chunks(8, 131072) == 32);       // S3: 256 blocks of 2 tiles
+  CHECK(chunks(32 * 32, 8192) == 4);    // S4
+  CHECK(chunks(8, 1025) == 1);          // S5
+  CHECK(chunks(64 * 8, 16384) == 8);    // L8: no 16K-slot row on one block
   for (const std::int32_t tiles : {-1, 0, 1, 2, 3, 1000}) {
     const row_split s = split_by_tiles(5 * tile + 7, tiles);
     CHECK(s.chunk_slots == std::clamp(tiles, 1, 6) * tile);
@@ -103,7 +122,7 @@ row_partial chunk_partial(const batch_state_view& st, const Source& source, std:
   row_partial part;
   if (chunk == 0)
     for (std::int32_t t = 0; t < kThreads; ++t)
-      part.head = std::min(part.head, detail::head_check_share(st, source, b, h, t, kThreads));
+      part.head = std::min(part.head, detail::head_check_share(source, b, h, t, kThreads, st.appended[bh] != 0, count));
   for (std::int32_t base = first; base < end; base += kThreads * kItems)
     for (std::int32_t t = 0; t < kThreads; ++t) {
       std::int32_t s[kItems];
@@ -111,7 +130,7 @@ row_partial chunk_partial(const batch_state_view& st, const Source& source, std:
       for (int u = 0; u < kItems; ++u) s[u] = std::min(base + u * kThreads + t, end - 1);
       source.template fold_items<kItems>(b, h, s, inc);
       for (int u = 0; u < kItems; ++u)
-        if (base + u * kThreads + t < end)
+        if (base + u * kThreads + t < end && st.slots.positions_of(b, h)[s[u]] >= 0)
           observe_slot(st.rule, order, b, h, s[u], st.slots.positions_of(b, h)[s[u]], length, current[s[u]], inc[u],
                        updated, part);
     }

@@ -11,6 +11,8 @@
 // tiles, one block each, so that one sequence of 128K slots still fills
 // every SM; the blocks of a row combine their exact minima (row_partial)
 // in the last block to arrive. Short rows take one block and no workspace.
+// The split follows a cost model (split_rows): waves of resident blocks
+// times the tiles each block walks.
 #include <cstdint>
 
 #include "kvevict/config.hpp"
@@ -53,17 +55,29 @@ constexpr row_split split_by_tiles(std::int32_t capacity, std::int32_t chunk_til
 }
 
 /// The split for `rows` active (sequence, head) rows of `capacity` slots on a
-/// device with `sms` multiprocessors: about as many chunks per row as it
-/// takes for rows x chunks to reach blocks_per_sm blocks on every SM, never
-/// smaller than a tile. Rows that fill at least half of that take one block
-/// each (a split then adds the combine and gains little).
-constexpr row_split split_rows(std::int64_t rows, std::int32_t capacity, std::int32_t sms) noexcept {
-  const std::int64_t wanted = std::int64_t{sms > 0 ? sms : 1} * decode_tuning::blocks_per_sm;
-  const std::int64_t per_row = rows > 0 ? wanted / rows : 1;  // chunks wanted per row
+/// device with `sms` multiprocessors that holds `blocks_per_sm` blocks each:
+/// the chunk length (in whole tiles) that minimises the estimated time,
+/// waves x tiles per block, waves = ceil(rows x chunks / resident blocks),
+/// and among equal estimates the longest chunks (fewest merges). So rows that
+/// fill the device already take one block each, a few long rows take many,
+/// and counts just above one wave are split to even out the waves.
+constexpr row_split split_rows(std::int64_t rows, std::int32_t capacity, std::int32_t sms,
+                               std::int32_t blocks_per_sm = decode_tuning::blocks_per_sm) noexcept {
+  const std::int64_t resident = std::int64_t{sms > 0 ? sms : 1} * (blocks_per_sm > 0 ? blocks_per_sm : 1);
   const std::int32_t tiles = (capacity + decode_tuning::tile - 1) / decode_tuning::tile;
-  if (per_row <= 1 || tiles <= 1) return split_by_tiles(capacity, tiles);
-  const std::int64_t chunk_tiles = (tiles + per_row - 1) / per_row;
-  return split_by_tiles(capacity, static_cast<std::int32_t>(chunk_tiles));
+  if (rows < 1 || tiles <= 1) return split_by_tiles(capacity, tiles);
+  std::int32_t best = tiles;
+  std::int64_t best_cost = -1;
+  for (std::int32_t per_chunk = tiles; per_chunk >= 1; --per_chunk) {
+    const std::int64_t chunks = (tiles + per_chunk - 1) / per_chunk;
+    const std::int64_t waves = (rows * chunks + resident - 1) / resident;
+    const std::int64_t cost = waves * per_chunk;
+    if (best_cost < 0 || cost < best_cost) {
+      best = per_chunk;
+      best_cost = cost;
+    }
+  }
+  return split_by_tiles(capacity, best);
 }
 
 }  // namespace kvevict

@@ -49,6 +49,7 @@ struct alignas(16) row_partial {
   std::uint64_t problem = batch_status_clear;  ///< the lowest per-slot status word
   std::uint64_t head = head_check::none;       ///< the lowest head check key
   std::int32_t slot = -1;                      ///< the slot of `key`, -1 when none bid
+  std::int32_t unused = 0;                     ///< written with the rest, so a 32-byte copy reads no undefined byte
 
   KVEVICT_HOST_DEVICE void bid(std::uint64_t k, std::int32_t s) noexcept {
     if (k < key) {

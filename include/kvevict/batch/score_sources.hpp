@@ -62,16 +62,25 @@ struct score_source<batch_probs> {
                                                      std::int32_t) const noexcept {
     return head_check::none;
   }
+  /// Head q + 1's loads go out before head q's values are folded.
   template <int N>
   KVEVICT_HOST_DEVICE void fold_items(std::int32_t b, std::int32_t h, const std::int32_t (&s)[N],
                                       slot_increment (&inc)[N]) const noexcept {
     group_fold fold[N];
-    for (std::int32_t q = h * group_size; q < (h + 1) * group_size; ++q) {
-      float x[N];
+    const std::int32_t first = h * group_size, last = first + group_size - 1;
+    float x[N];
+    KVEVICT_UNROLL
+    for (int u = 0; u < N; ++u) x[u] = in.probs(b, first, s[u]);
+    for (std::int32_t q = first; q <= last; ++q) {
+      float next[N];
+      const std::int32_t ahead = q < last ? q + 1 : q;  // the last head reloads itself: no branch
       KVEVICT_UNROLL
-      for (int u = 0; u < N; ++u) x[u] = in.probs(b, q, s[u]);
+      for (int u = 0; u < N; ++u) next[u] = in.probs(b, ahead, s[u]);
       KVEVICT_UNROLL
-      for (int u = 0; u < N; ++u) fold[u].add(x[u], q, reduce, true);
+      for (int u = 0; u < N; ++u) {
+        fold[u].add(x[u], q, reduce, true);
+        x[u] = next[u];
+      }
     }
     KVEVICT_UNROLL
     for (int u = 0; u < N; ++u) inc[u] = fold[u].finish(reduce, group_size);
@@ -115,7 +124,9 @@ struct score_source<batch_head_scores> {
 
 template <>
 struct score_source<batch_logits> {
-  static constexpr int items = decode_tuning::items;
+  /// Half the slots of the other inputs: the exponentials' registers and the
+  /// next head's loads fit 80 registers then (at 8, ptxas spills).
+  static constexpr int items = decode_tuning::items / 2;
   static constexpr int min_blocks = decode_tuning::blocks_per_sm;
   batch_logits in;
   std::int32_t group_size;
@@ -132,13 +143,22 @@ struct score_source<batch_logits> {
   KVEVICT_HOST_DEVICE void fold_items(std::int32_t b, std::int32_t h, const std::int32_t (&s)[N],
                                       slot_increment (&inc)[N]) const noexcept {
     group_fold fold[N];
-    for (std::int32_t q = h * group_size; q < (h + 1) * group_size; ++q) {
-      const float lse = in.lse(b, q);
-      float x[N];
+    const std::int32_t first = h * group_size, last = first + group_size - 1;
+    float x[N], lse = in.lse(b, first);
+    KVEVICT_UNROLL
+    for (int u = 0; u < N; ++u) x[u] = in.logits(b, first, s[u]);
+    for (std::int32_t q = first; q <= last; ++q) {  // head q + 1's loads before head q's exponentials
+      float next[N];
+      const std::int32_t ahead = q < last ? q + 1 : q;
+      const float next_lse = in.lse(b, ahead);
       KVEVICT_UNROLL
-      for (int u = 0; u < N; ++u) x[u] = in.logits(b, q, s[u]);
+      for (int u = 0; u < N; ++u) next[u] = in.logits(b, ahead, s[u]);
       KVEVICT_UNROLL
-      for (int u = 0; u < N; ++u) fold[u].add(detail::logit_value(x[u], in.scale, lse, in.base), q, reduce, true);
+      for (int u = 0; u < N; ++u) {
+        fold[u].add(detail::logit_value(x[u], in.scale, lse, in.base), q, reduce, true);
+        x[u] = next[u];
+      }
+      lse = next_lse;
     }
     KVEVICT_UNROLL
     for (int u = 0; u < N; ++u) inc[u] = fold[u].finish(reduce, group_size);
@@ -205,16 +225,15 @@ namespace detail {
 /// slot (the argument check asks for budget + 1 columns, and a multi-token
 /// append takes a head beyond that: index = the slots held); then the
 /// source's per-head inputs.
+/// `appended` and `count` are the head's flag and token count (a kernel has
+/// them already).
 template <class Source>
-KVEVICT_HOST_DEVICE std::uint64_t head_check_share(const batch_state_view& st, const Source& source, std::int32_t b,
-                                                   std::int32_t h, std::int32_t t, std::int32_t n) noexcept {
+KVEVICT_HOST_DEVICE std::uint64_t head_check_share(const Source& source, std::int32_t b, std::int32_t h,
+                                                   std::int32_t t, std::int32_t n, bool appended,
+                                                   std::int32_t count) noexcept {
   std::uint64_t key = source.check_head_share(b, h, t, n);
-  if (t == 0) {
-    const std::int64_t bh = st.head_index(b, h);
-    const std::int32_t count = st.slots.counts[bh];
-    if (count > source.columns()) key = lower_of(key, head_check::key(head_check::stage::narrow_input, count));
-    if (!st.appended[bh]) key = head_check::key(head_check::stage::not_appended, 0);
-  }
+  if (t == 0 && count > source.columns()) key = lower_of(key, head_check::key(head_check::stage::narrow_input, count));
+  if (t == 0 && !appended) key = head_check::key(head_check::stage::not_appended, 0);
   return key;
 }
 
@@ -222,7 +241,8 @@ KVEVICT_HOST_DEVICE std::uint64_t head_check_share(const batch_state_view& st, c
 template <class Source>
 KVEVICT_HOST_DEVICE std::uint64_t check_observe_head(const batch_state_view& st, const Source& source, std::int32_t b,
                                                      std::int32_t h) noexcept {
-  return head_check::word(head_check_share(st, source, b, h, 0, 1), b, h);
+  const std::int64_t bh = st.head_index(b, h);
+  return head_check::word(head_check_share(source, b, h, 0, 1, st.appended[bh] != 0, st.slots.counts[bh]), b, h);
 }
 
 }  // namespace detail

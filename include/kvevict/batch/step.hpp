@@ -65,17 +65,26 @@ KVEVICT_HOST_DEVICE inline void commit_append(const batch_state_view& st, std::i
 /// become current, and `victim` (or none, -1) is freed; no K/V bytes move.
 /// A free slot holds 0 in both score buffers (a later switch of buffers
 /// must not bring a stale score back).
+/// The commit with the head's score buffer and count already read (a kernel
+/// has them in registers: no dependent load before the stores).
 KVEVICT_HOST_DEVICE inline void commit_observe_evict(const batch_state_view& st, std::int32_t b, std::int32_t h,
-                                                     std::int32_t victim) noexcept {
+                                                     std::int32_t victim, std::int32_t buffer,
+                                                     std::int32_t count) noexcept {
   const std::int64_t bh = st.head_index(b, h);
-  st.score_buffer[bh] = static_cast<std::uint8_t>(1 - st.score_buffer[bh]);
+  st.score_buffer[bh] = static_cast<std::uint8_t>(1 - buffer);
   st.appended[bh] = 0;
   if (victim < 0) return;
   st.slots.positions_of(b, h)[victim] = -1;
-  st.scores_of(b, h)[victim] = 0.0f;
-  st.spare_scores_of(b, h)[victim] = 0.0f;
-  --st.slots.counts[bh];
+  st.buffer_of(b, h, 1 - buffer)[victim] = 0.0f;  // the updated scores, now current
+  st.buffer_of(b, h, buffer)[victim] = 0.0f;
+  st.slots.counts[bh] = count - 1;
   st.slots.next_slots[bh] = victim;
+}
+
+KVEVICT_HOST_DEVICE inline void commit_observe_evict(const batch_state_view& st, std::int32_t b, std::int32_t h,
+                                                     std::int32_t victim) noexcept {
+  const std::int64_t bh = st.head_index(b, h);
+  commit_observe_evict(st, b, h, victim, st.score_buffer[bh], st.slots.counts[bh]);
 }
 
 /// Forgets (b, h): every slot free with score 0 in both buffers, no history.

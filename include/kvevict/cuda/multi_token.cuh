@@ -292,39 +292,47 @@ __global__ void __launch_bounds__(BlockThreads)
 }
 
 /// Launch 3: the refill of every planned row, its pieces of work
-/// (refill_work) spread over the row's blocks; the first block's thread 0
+/// (refill_work) spread over the row's blocks, a warp per piece so a moved
+/// K/V row goes as one warp's 16-byte vectors; the first block's thread 0
 /// writes the row's count, next slot and result.
 template <int BlockThreads, int Items, class Cache>
 __global__ void __launch_bounds__(BlockThreads)
     evict_to_refill_kernel(batch_state_view st, active_set active, std::int32_t chunks, Cache cache, slot_move* moves,
                            std::int32_t* results) {
   constexpr bool kMoveRows = !std::is_same_v<Cache, no_cache>;
+  constexpr int kWarps = BlockThreads / 32;
+  constexpr unsigned kAll = 0xFFFFFFFFu;
   const evict_row at(st, active, chunks, nullptr);
   if (at.b < 0) return;
   const evict_to_plan plan = st.work.evict_plans[at.bh];
   if (plan.kept < 0) return;  // the whole block
   const std::int32_t cap = st.capacity(), victims = plan.count - plan.kept;
-  const std::int32_t end = kvevict::detail::occupied_end(plan.count, plan.next);
-  const kvevict::detail::victims_and_hole freed(st.victim_scratch + std::int64_t{at.row} * cap, victims,
-                                                kvevict::detail::hole_of(plan.count, plan.next));
-  const auto refill = kvevict::detail::make_refill_plan(freed, freed.size(), plan.kept, st.rule.budget, end);
+  const std::int32_t hole = kvevict::detail::hole_of(plan.count, plan.next);
+  const std::int32_t work = victims + (hole >= 0 ? 1 : 0), first = at.chunk * kWarps * Items;
+  if (at.chunk > 0 && first >= work) return;  // no piece here (chunk 0 also writes the row's counters)
+  const kvevict::detail::victims_and_hole freed(st.victim_scratch + std::int64_t{at.row} * cap, victims, hole);
+  const auto refill = kvevict::detail::make_refill_plan(freed, work, plan.kept, st.rule.budget,
+                                                        kvevict::detail::occupied_end(plan.count, plan.next));
   std::int32_t* positions = st.slots.positions_of(at.b, at.h);
   float* scores = st.scores_of(at.b, at.h);
   float* spare = st.spare_scores_of(at.b, at.h);
-  const std::int32_t first = at.chunk * BlockThreads * Items;
-  const std::int32_t last = first + BlockThreads * Items < refill.work() ? first + BlockThreads * Items : refill.work();
-  for (std::int32_t i = first + static_cast<std::int32_t>(threadIdx.x); i < last; i += BlockThreads)
-    kvevict::detail::refill_work(refill, i, positions, scores, spare,
-                                 [=](std::int32_t move, std::int32_t from, std::int32_t to) {
-                                   if constexpr (kMoveRows) {
-                                     copy_row(cache.k_row(at.b, at.h, to), cache.k_row(at.b, at.h, from),
-                                              cache.head_dim, 0, 1);
-                                     copy_row(cache.v_row(at.b, at.h, to), cache.v_row(at.b, at.h, from),
-                                              cache.head_dim, 0, 1);
-                                   } else {
-                                     moves[at.bh * cap + move] = slot_move{from, to};
-                                   }
-                                 });
+  const std::int32_t lane = static_cast<std::int32_t>(threadIdx.x) % 32, warp = static_cast<std::int32_t>(threadIdx.x) / 32;
+  const std::int32_t last = first + kWarps * Items < work ? first + kWarps * Items : work;
+  for (std::int32_t i = first + warp; i < last; i += kWarps) {  // warp-uniform
+    slot_move m;
+    if (lane == 0)
+      kvevict::detail::refill_work(refill, i, positions, scores, spare,
+                                   [&m](std::int32_t, std::int32_t from, std::int32_t to) { m = slot_move{from, to}; });
+    m.from = __shfl_sync(kAll, m.from, 0);
+    m.to = __shfl_sync(kAll, m.to, 0);
+    if (m.from < 0) continue;  // a free, not a move
+    if constexpr (kMoveRows) {
+      copy_row(cache.k_row(at.b, at.h, m.to), cache.k_row(at.b, at.h, m.from), cache.head_dim, lane, 32);
+      copy_row(cache.v_row(at.b, at.h, m.to), cache.v_row(at.b, at.h, m.from), cache.head_dim, lane, 32);
+    } else if (lane == 0) {
+      moves[at.bh * cap + i] = m;
+    }
+  }
   if (at.chunk == 0 && threadIdx.x == 0) {
     st.slots.counts[at.bh] = plan.kept;
     st.slots.next_slots[at.bh] = refill.next_slot();
@@ -332,7 +340,7 @@ __global__ void __launch_bounds__(BlockThreads)
   }
 }
 
-inline constexpr int kRefillItems = 4;  ///< refill pieces per thread of a block
+inline constexpr int kRefillItems = 16;  ///< refill pieces per warp of a block
 
 /// Launch 2 for the policies whose keys stand still: one bottom-k selection
 /// of every planned row's victims, into the rows of victim_scratch.
@@ -365,14 +373,18 @@ cudaError_t launch_evict_to(const kvevict::detail::site& w, const batch_state_vi
   if constexpr (std::is_same_v<Queries, no_queries>)
     kvevict::detail::require_not_null(w, "state.work.select", st.work.select);
   const std::int64_t rows = std::int64_t{active.entries(st.num_seqs())} * st.num_heads();
-  const row_split split = split_rows(rows, st.capacity(), device_sm_count());
-  const std::int32_t refill_chunks = (st.capacity() + kBlockThreads * kRefillItems) / (kBlockThreads * kRefillItems);
-  if (rows * split.chunks > 0x7FFFFFFF || rows * refill_chunks > 0x7FFFFFFF)
+  // Pieces of a row's refill: its victims and the hole it had, at most capacity + 1.
+  const std::int32_t pieces = kBlockThreads / 32 * kRefillItems;
+  const std::int32_t refill_chunks = (st.capacity() + pieces) / pieces;
+  // Only a paged cache's rows are checked, in chunks; otherwise one block per row plans.
+  const row_split plan_split =
+      is_paged_cache<Cache>::value ? split_rows(rows, st.capacity(), device_sm_count()) : row_split{};
+  if (rows * plan_split.chunks > 0x7FFFFFFF || rows * refill_chunks > 0x7FFFFFFF)
     kvevict::detail::fail<invalid_argument>(w, "active", "gives more blocks than a grid holds");
   if (rows == 0) return cudaSuccess;
-  evict_to_plan_kernel<kBlockThreads, Cache, Queries><<<static_cast<unsigned>(rows * split.chunks), kBlockThreads, 0,
-                                                        stream>>>(st, active, target, cache, queries, split, results,
-                                                                  status);
+  evict_to_plan_kernel<kBlockThreads, Cache, Queries><<<static_cast<unsigned>(rows * plan_split.chunks), kBlockThreads,
+                                                        0, stream>>>(st, active, target, cache, queries, plan_split,
+                                                                     results, status);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return e;
   e = launch_victims(st, active, rows, queries, stream);

@@ -53,19 +53,21 @@ __device__ inline row_partial load_partial(const row_partial* p) {
   r.key = lo.x;
   r.problem = lo.y;
   r.head = hi.x;
-  r.slot = static_cast<std::int32_t>(hi.y & 0xFFFFFFFFu);
+  r.slot = static_cast<std::int32_t>(hi.y & 0xFFFFFFFFu);  // little-endian: slot, then the unused word
   return r;
 }
 
 /// Thread 0, once a row is reduced: refuse it (status word, victim -1,
-/// nothing changes) or commit its victim.
+/// nothing changes) or commit its victim, from the values the block read at
+/// its start (no load before the stores).
 __device__ inline void finish_row(const batch_state_view& st, std::int32_t b, std::int32_t h, std::int32_t count,
-                                  const row_partial& total, std::int32_t* victims, std::uint64_t* status) {
+                                  std::int32_t buffer, const row_partial& total, std::int32_t* victims,
+                                  std::uint64_t* status) {
   const std::int64_t bh = st.head_index(b, h);
   const std::uint64_t word = total.status_word(b, h);
   if (word != batch_status_clear) return give_up(bh, word, victims, status);
   const std::int32_t victim = count > st.rule.budget ? total.slot : -1;
-  kvevict::detail::commit_observe_evict(st, b, h, victim);
+  kvevict::detail::commit_observe_evict(st, b, h, victim, buffer, count);
   if (victims) victims[bh] = victim;
 }
 
@@ -87,11 +89,14 @@ __global__ void __launch_bounds__(decode_tuning::threads, Source::min_blocks)
   if (b < 0) return;
   const std::int32_t t = static_cast<std::int32_t>(threadIdx.x);
   const std::int64_t bh = st.head_index(b, h);
+  // Everything the row needs, loaded side by side before any branch on it.
   const std::int32_t count = st.slots.counts[bh], length = st.slots.lengths[b];
   const std::int32_t buffer = st.score_buffer[bh];
-  // Chunks past the occupied slots have nothing to do and do not arrive.
+  const bool appended = st.appended[bh] != 0;
+  const victim_order order = st.rule.order(st.stream_of(b), h, length);
+  // Chunks past the occupied slots walk no slot and do not arrive.
   const std::int32_t chunks = count > split.chunk_slots ? (count + split.chunk_slots - 1) / split.chunk_slots : 1;
-  if (chunk >= chunks) return;
+  const bool live = chunk < chunks;
 
   // Never a column the input does not have: such a head is refused (narrow_input).
   const std::int32_t width = count < source.columns() ? count : source.columns();
@@ -100,10 +105,9 @@ __global__ void __launch_bounds__(decode_tuning::threads, Source::min_blocks)
   const std::int32_t* __restrict__ positions = st.slots.positions_of(b, h);
   const float* __restrict__ current = st.buffer_of(b, h, buffer);
   float* __restrict__ updated = st.buffer_of(b, h, 1 - buffer);
-  const victim_order order = st.rule.order(st.stream_of(b), h, length);
 
   row_partial part;
-  if (chunk == 0) part.head = kvevict::detail::head_check_share(st, source, b, h, t, kThreads);
+  if (chunk == 0) part.head = kvevict::detail::head_check_share(source, b, h, t, kThreads, appended, count);
   for (std::int32_t base = first; base < end; base += kTile) {
     std::int32_t s[kItems], pos[kItems];
     float cur[kItems];
@@ -114,19 +118,20 @@ __global__ void __launch_bounds__(decode_tuning::threads, Source::min_blocks)
       s[u] = slot < end ? slot : end - 1;
     }
     KVEVICT_UNROLL
-    for (int u = 0; u < kItems; ++u) {
-      pos[u] = __ldg(positions + s[u]);
-      cur[u] = __ldg(current + s[u]);
+    for (int u = 0; u < kItems; ++u) {  // through L2, not the read-only path: the commit writes these
+      pos[u] = __ldcg(positions + s[u]);
+      cur[u] = __ldcg(current + s[u]);
     }
     source.template fold_items<kItems>(b, h, s, inc);
     KVEVICT_UNROLL
     for (int u = 0; u < kItems; ++u)
-      if (base + u * kThreads + t < end)
+      if (base + u * kThreads + t < end && pos[u] >= 0)  // a free slot (a refused row's hole) is never written
         observe_slot(st.rule, order, b, h, s[u], pos[u], length, cur[u], inc[u], updated, part);
   }
   part = reduce(temp).Reduce(part, merge_partials{});
+  if (!live) return;
   if (chunks == 1) {
-    if (t == 0) finish_row(st, b, h, count, part, victims, status);
+    if (t == 0) finish_row(st, b, h, count, buffer, part, victims, status);
     return;
   }
 
@@ -147,7 +152,7 @@ __global__ void __launch_bounds__(decode_tuning::threads, Source::min_blocks)
   total = reduce(temp).Reduce(total, merge_partials{});
   if (t == 0) {
     st.work.arrivals[bh] = 0;
-    finish_row(st, b, h, count, total, victims, status);
+    finish_row(st, b, h, count, buffer, total, victims, status);
   }
 }
 
@@ -170,7 +175,8 @@ cudaError_t launch_observe_evict(const batch_state_view& st, const active_set& a
   const std::int64_t rows = std::int64_t{active.entries(st.num_seqs())} * st.num_heads();
   if (split.chunks > 1) kvevict::detail::require_not_null(w, "state.work.partials", st.work.partials);
   kvevict::detail::require_not_null(w, "state.work.arrivals", st.work.arrivals);
-  if (split.chunks < 1 || split.chunks > max_row_chunks(st.capacity()) || split.chunk_slots % decode_tuning::tile)
+  if (split.chunks < 1 || split.chunks > max_row_chunks(st.capacity()) || split.chunk_slots < 1 ||
+      split.chunk_slots % decode_tuning::tile || std::int64_t{split.chunks} * split.chunk_slots < st.capacity())
     kvevict::detail::fail<invalid_argument>(w, "split", "is not a split of the state's rows into whole tiles");
   if (rows * split.chunks > 0x7FFFFFFF)
     kvevict::detail::fail<invalid_argument>(w, "active", "gives more blocks than a grid holds");
@@ -180,9 +186,12 @@ cudaError_t launch_observe_evict(const batch_state_view& st, const active_set& a
   return cudaGetLastError();
 }
 
-/// The split the launchers use: split_rows for the active rows on this device.
-inline row_split default_split(const batch_state_view& st, const active_set& active) {
-  return split_rows(std::int64_t{active.entries(st.num_seqs())} * st.num_heads(), st.capacity(), device_sm_count());
+/// The split the launchers use: split_rows for the active rows on this
+/// device, at the residency of Source's kernel.
+template <class Source>
+row_split default_split(const batch_state_view& st, const active_set& active) {
+  return split_rows(std::int64_t{active.entries(st.num_seqs())} * st.num_heads(), st.capacity(), device_sm_count(),
+                    Source::min_blocks);
 }
 
 /// Observe + evict from batch_probs, batch_head_scores or batch_logits with
@@ -230,7 +239,8 @@ cudaError_t observe_evict_split(const batch_state_view& st, const active_set& ac
 template <class Input>
 cudaError_t batched_observe_evict(const batch_state_view& st, const active_set& active, const Input& in,
                                   std::int32_t* victims, std::uint64_t* status, cudaStream_t stream) {
-  return detail::observe_evict_split(st, active, in, victims, status, stream, detail::default_split(st, active));
+  return detail::observe_evict_split(st, active, in, victims, status, stream,
+                                     detail::default_split<score_source<Input>>(st, active));
 }
 
 /// Observe + evict from queries + LSE (device memory), the logits recomputed
@@ -241,7 +251,7 @@ cudaError_t batched_observe_evict(const batch_state_view& st, const active_set& 
                                   const kv_view<T, Layout>& cache, std::int32_t* victims, std::uint64_t* status,
                                   cudaStream_t stream) {
   return detail::observe_evict_split(st, active, in, cache, victims, status, stream,
-                                     detail::default_split(st, active));
+                                     detail::default_split<query_source<Q, T, Layout>>(st, active));
 }
 
 }  // namespace gpu

@@ -30,7 +30,14 @@ __global__ void __launch_bounds__(BlockThreads)
   }
   const std::int32_t t = static_cast<std::int32_t>(threadIdx.x), n = BlockThreads;
   for (std::int32_t h = 0; h < st.num_heads(); ++h) kvevict::detail::clear_head_slots(st, b, h, t, st.capacity(), n);
-  for (std::int32_t h = t; h < st.num_heads(); h += n) kvevict::detail::clear_head_counters(st, b, h);
+  for (std::int32_t h = t; h < st.num_heads(); h += n) {
+    kvevict::detail::clear_head_counters(st, b, h);
+    // The kernels' own per-head words start over too, whatever an aborted
+    // call left in them.
+    const std::int64_t bh = st.head_index(b, h);
+    if (st.work.arrivals) st.work.arrivals[bh] = 0;
+    if (st.work.evict_plans) st.work.evict_plans[bh].check = ~std::uint64_t{0};
+  }
   if (t == 0) {
     st.slots.lengths[b] = 0;
     if (st.streams) st.streams[b] = streams ? streams[entry] : std::uint64_t(b);
