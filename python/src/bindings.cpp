@@ -783,20 +783,34 @@ nb::dict state_offsets(const Descriptor& desc, nb::handle memory) {
 std::uint64_t clear_status_value() { return kvevict::batch_status_clear; }
 
 /// ml_dtypes' bfloat16 NumPy arrays have no DLPack dtype NumPy can export;
-/// this views their bits (a uint16 array) as bfloat16, zero-copy.
-nb::ndarray<nb::ro> as_bfloat16(nb::handle obj) {
-  const char* call = "as_bfloat16";
-  const in_array a = as_array<in_array>(obj, call, "array");
-  require_dtype(a, nb::dlpack::dtype_code::UInt, 16, call, "array");
+/// this views their bits (a uint16 array) as bfloat16, zero-copy, writable
+/// when the array is.
+template <class A>
+nb::object bfloat16_view(const A& a, nb::handle owner) {
   std::vector<std::size_t> shape(a.ndim());
   std::vector<std::int64_t> strides(a.ndim());
   for (std::size_t d = 0; d < a.ndim(); ++d) {
     shape[d] = a.shape(d);
     strides[d] = a.stride(d);
   }
-  return nb::ndarray<nb::ro>(a.data(), a.ndim(), shape.data(), obj, strides.data(),
-                             nb::dlpack::dtype{std::uint8_t(nb::dlpack::dtype_code::Bfloat), 16, 1},
-                             a.device_type(), a.device_id());
+  const nb::dlpack::dtype bf16{std::uint8_t(nb::dlpack::dtype_code::Bfloat), 16, 1};
+  // array_api: a nanobind array object with __dlpack__ and the buffer protocol.
+  using R = std::conditional_t<std::is_same_v<A, out_array>, nb::ndarray<nb::array_api>,
+                               nb::ndarray<nb::array_api, nb::ro>>;
+  return nb::cast(R(const_cast<void*>(static_cast<const void*>(a.data())), a.ndim(), shape.data(), owner,
+                    strides.data(), bf16, a.device_type(), a.device_id()));
+}
+
+nb::object as_bfloat16(nb::handle obj) {
+  const char* call = "as_bfloat16";
+  out_array w;
+  if (nb::try_cast(obj, w, false)) {
+    require_dtype(w, nb::dlpack::dtype_code::UInt, 16, call, "array");
+    return bfloat16_view(w, obj);
+  }
+  const in_array r = as_array<in_array>(obj, call, "array");
+  require_dtype(r, nb::dlpack::dtype_code::UInt, 16, call, "array");
+  return bfloat16_view(r, obj);
 }
 
 // ---- per-sequence policies (host), for engines that step one sequence at a
@@ -994,6 +1008,14 @@ NB_MODULE(_ext, m) {
   m.def("check", &check, "desc"_a, "state"_a, "stream"_a = 0);
   m.def("state_offsets", &state_offsets, "desc"_a, "state"_a);
   m.def("as_bfloat16", &as_bfloat16, "array"_a);
+  m.def("h2o_from_ratios", [](std::int32_t length, double heavy_ratio, double recent_ratio) {
+    const kvevict::h2o_config c = kvevict::h2o_from_ratios(length, heavy_ratio, recent_ratio);
+    return std::make_pair(c.heavy, c.recent);
+  }, "length"_a, "heavy_ratio"_a, "recent_ratio"_a);
+  m.def("recent_window_from_ratio", [](std::int32_t length, double ratio, std::int32_t sinks) {
+    const kvevict::recent_window_config c = kvevict::recent_window_from_ratio(length, ratio, sinks);
+    return std::make_pair(c.sinks, c.window);
+  }, "length"_a, "ratio"_a, "sinks"_a);
   m.attr("STATUS_CLEAR") = nb::int_(clear_status_value());
   m.attr("STATE_HEADER_BYTES") = nb::int_(state_header_bytes);
 #ifdef KVEVICT_PY_CUDA
