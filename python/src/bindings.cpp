@@ -255,6 +255,12 @@ class Descriptor {
                      return kvevict::batch_state_bytes<P>(d_.shape, config, d_.history);
                    }) +
                    state_header_bytes;
+    layout_ = with_policy(d_, [&](auto tag, const auto& config) {
+      using P = typename decltype(tag)::type;
+      // Only pointer arithmetic happens at the stand-in address; nothing is read or written there.
+      return kvevict::make_batch_state<P>(reinterpret_cast<void*>(layout_base), state_bytes_ - state_header_bytes,
+                                          d_.shape, config, d_.history);
+    });
   }
 
   const descriptor& get() const noexcept { return d_; }
@@ -267,22 +273,55 @@ class Descriptor {
   const std::vector<std::int64_t>& values() const noexcept { return values_; }
 
   /// The state view inside `memory` (already checked to be large enough).
+  ///
+  /// make_batch_state aligns its sub-arrays to absolute 256-byte boundaries,
+  /// so its layout depends on where the memory lies. A state tensor must
+  /// keep its meaning when torch copies it (clone, functionalization under
+  /// torch.compile, opcheck's copies), wherever the copy lands: the layout
+  /// is carved once at an aligned stand-in address and shifted onto
+  /// `memory`, which makes it a function of the descriptor alone.
   const batch_state_view& carve(unsigned char* memory) const {
     if (memory != carved_for_) {
-      view_ = with_policy(d_, [&](auto tag, const auto& config) {
-        using P = typename decltype(tag)::type;
-        return kvevict::make_batch_state<P>(memory + state_header_bytes, state_bytes_ - state_header_bytes, d_.shape,
-                                            config, d_.history);
-      });
+      view_ = rebase(layout_, layout_base, reinterpret_cast<std::uintptr_t>(memory) + state_header_bytes);
       carved_for_ = memory;
     }
     return view_;
   }
 
  private:
+  /// A 256-byte aligned stand-in address for the layout.
+  static constexpr std::uintptr_t layout_base = std::uintptr_t{1} << 16;
+
+  /// The view `v` carved at `from`, moved to `to`: every pointer of the
+  /// state shifted by the same amount.
+  static batch_state_view rebase(batch_state_view v, std::uintptr_t from, std::uintptr_t to) {
+    static_assert(sizeof(batch_state_view) == 184 && sizeof(kvevict::history_view) == 56,
+                  "batch_state_view changed: shift its new pointers in rebase() too");
+    auto shift = [&](auto*& p) {
+      using T = std::remove_reference_t<decltype(*p)>;
+      if (p) p = reinterpret_cast<T*>(reinterpret_cast<std::uintptr_t>(p) - from + to);
+    };
+    shift(v.slots.positions);
+    shift(v.slots.counts);
+    shift(v.slots.next_slots);
+    shift(v.slots.lengths);
+    shift(v.scores);
+    shift(v.score_buffer);
+    shift(v.appended);
+    shift(v.streams);
+    shift(v.victim_scratch);
+    shift(v.history.keys);
+    shift(v.history.values);
+    shift(v.history.rows);
+    shift(v.history.cached);
+    shift(v.history.work);
+    return v;
+  }
+
   descriptor d_;
   std::vector<std::int64_t> values_;
   std::size_t state_bytes_ = 0;
+  batch_state_view layout_;  ///< carved at layout_base
   mutable unsigned char* carved_for_ = nullptr;
   mutable batch_state_view view_;
 };
@@ -944,6 +983,9 @@ PyObject* new_exception(nb::module_& m, const char* name, PyObject* base1, PyObj
 NB_MODULE(_ext, m) {
   using namespace kvevict_py;
   m.doc() = "kvevict's C++ batched API over DLPack arrays (internal: use the kvevict package).";
+  // Descriptors live in caches of the Python package (kvevict.ops) and in
+  // torch's op registry until the interpreter exits: not leaks.
+  nb::set_leak_warnings(false);
 
   exceptions.error = new_exception(m, "Error", PyExc_Exception, nullptr, "Base of every error kvevict raises.");
   exceptions.invalid_argument = new_exception(m, "InvalidArgument", exceptions.error, PyExc_ValueError,

@@ -9,13 +9,12 @@ and the call raises the lowest offender."""
 
 from __future__ import annotations
 
-import ctypes
-
 import ml_dtypes
 import numpy as np
 import pytest
 
 import kvevict as kv
+from fake_dlpack import FakeCudaArray
 
 B, H, G, C, D = 2, 2, 2, 6, 4
 HQ = H * G
@@ -65,60 +64,6 @@ def raises_unchanged(policy, cache, exc, match, fn):
     np.testing.assert_array_equal(policy.state, state)
     np.testing.assert_array_equal(cache.k, k)
     np.testing.assert_array_equal(cache.v, v)
-
-
-# ---- a fake CUDA array: DLPack says device cuda:0 ------------------------------
-
-
-class _DLDevice(ctypes.Structure):
-    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
-
-
-class _DLDataType(ctypes.Structure):
-    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
-
-
-class _DLTensor(ctypes.Structure):
-    _fields_ = [
-        ("data", ctypes.c_void_p),
-        ("device", _DLDevice),
-        ("ndim", ctypes.c_int32),
-        ("dtype", _DLDataType),
-        ("shape", ctypes.POINTER(ctypes.c_int64)),
-        ("strides", ctypes.POINTER(ctypes.c_int64)),
-        ("byte_offset", ctypes.c_uint64),
-    ]
-
-
-class _DLManagedTensor(ctypes.Structure):
-    _fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", ctypes.c_void_p)]
-
-
-class FakeCudaArray:
-    """A float32 array that DLPack reports on cuda:0. Its data pointer is not
-    valid memory: kvevict must refuse it before reading anything."""
-
-    def __init__(self, shape):
-        self.shape = tuple(shape)
-        n = len(shape)
-        self._shape = (ctypes.c_int64 * n)(*shape)
-        strides = [1] * n
-        for d in range(n - 2, -1, -1):
-            strides[d] = strides[d + 1] * shape[d + 1]
-        self._strides = (ctypes.c_int64 * n)(*strides)
-        self._tensor = _DLManagedTensor()
-        t = self._tensor.dl_tensor
-        t.data, t.device, t.ndim = 0x10000, _DLDevice(2, 0), n
-        t.dtype = _DLDataType(2, 32, 1)  # float32
-        t.shape, t.strides = self._shape, self._strides
-
-    def __dlpack__(self, *args, **kwargs):
-        new = ctypes.pythonapi.PyCapsule_New
-        new.restype, new.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
-        return new(ctypes.addressof(self._tensor), b"dltensor", None)
-
-    def __dlpack_device__(self):
-        return (2, 0)
 
 
 # ---- argument errors: nothing changes --------------------------------------------
