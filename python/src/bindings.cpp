@@ -17,6 +17,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -821,6 +822,34 @@ nb::dict state_offsets(const Descriptor& desc, nb::handle memory) {
 
 std::uint64_t clear_status_value() { return kvevict::batch_status_clear; }
 
+/// Benchmark hook (benchmarks/python/bench_python.py): the time per decode
+/// step of `steps` steps of batched_append + batched_observe_evict from
+/// `probs` on a host state, in C++ with no Python in between: the baseline
+/// the Python calls' overhead is measured against. Returns nanoseconds per
+/// step; raises like the calls it times.
+double bench_decode_steps(const Descriptor& desc, nb::handle memory, nb::handle probs_obj, nb::handle victims_obj,
+                          std::int64_t steps) {
+  const char* call = "bench_decode_steps";
+  const state_ref st = resolve_state(desc, memory, call);
+  if (st.dev.cuda()) fail_arg(call, "state", "must be in host memory");
+  const kvevict::batch_probs in{float_input<3>(probs_obj, st.dev, call, "probs", "[num_seqs][num_q_heads][slots]")};
+  std::int32_t* victims =
+      int32_output(victims_obj, st.dev, std::size_t(st.view.num_seqs()) * st.view.num_heads(), call, "victims");
+  const kvevict::active_set all = kvevict::active_set::all();
+  std::chrono::steady_clock::duration elapsed{};
+  {
+    nb::gil_scoped_release release;
+    const auto t0 = std::chrono::steady_clock::now();
+    for (std::int64_t i = 0; i < steps; ++i) {
+      kvevict::batched_append(st.view, all, st.status);
+      kvevict::batched_observe_evict(st.view, all, in, victims, st.status);
+    }
+    elapsed = std::chrono::steady_clock::now() - t0;
+  }
+  raise_host_status(st.status, call);
+  return std::chrono::duration<double, std::nano>(elapsed).count() / double(steps > 0 ? steps : 1);
+}
+
 /// ml_dtypes' bfloat16 NumPy arrays have no DLPack dtype NumPy can export;
 /// this views their bits (a uint16 array) as bfloat16, zero-copy, writable
 /// when the array is.
@@ -1050,6 +1079,7 @@ NB_MODULE(_ext, m) {
   m.def("check", &check, "desc"_a, "state"_a, "stream"_a = 0);
   m.def("state_offsets", &state_offsets, "desc"_a, "state"_a);
   m.def("as_bfloat16", &as_bfloat16, "array"_a);
+  m.def("_bench_decode_steps", &bench_decode_steps, "desc"_a, "state"_a, "probs"_a, "victims"_a, "steps"_a);
   m.def("h2o_from_ratios", [](std::int32_t length, double heavy_ratio, double recent_ratio) {
     const kvevict::h2o_config c = kvevict::h2o_from_ratios(length, heavy_ratio, recent_ratio);
     return std::make_pair(c.heavy, c.recent);

@@ -39,6 +39,8 @@ class FakeCudaArray:
     memory: kvevict must refuse it, or stop at its host-side checks, before
     reading anything."""
 
+    _next = 0
+
     def __init__(self, shape, dtype="float32"):
         self.shape = tuple(shape)
         n = len(shape)
@@ -49,7 +51,8 @@ class FakeCudaArray:
         self._strides = (ctypes.c_int64 * n)(*strides)
         self._tensor = _DLManagedTensor()
         t = self._tensor.dl_tensor
-        t.data, t.device, t.ndim = 0x10000, _DLDevice(2, 0), n
+        FakeCudaArray._next += 1 << 32  # distinct, far-apart addresses: no two fake arrays overlap
+        t.data, t.device, t.ndim = FakeCudaArray._next, _DLDevice(2, 0), n
         code, bits = _CODES[dtype]
         t.dtype = _DLDataType(code, bits, 1)
         t.shape, t.strides = self._shape, self._strides
