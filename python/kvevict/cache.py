@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional
 
-from ._arrays import for_ext
+from ._arrays import for_ext, is_torch
 
 Layout = Literal["bhsd", "bshd", "paged_nhd", "paged_hnd"]
 LAYOUT_CODES = {"bhsd": 0, "bshd": 1, "paged_nhd": 2, "paged_hnd": 3}
@@ -48,8 +48,10 @@ class CacheView:
         self.layout = layout
         self.page_table = page_table
         self._code = LAYOUT_CODES[layout]
-        self._k = for_ext(k)
-        self._v = for_ext(v)
+        # NumPy arrays (bfloat16 views included) convert once; torch tensors
+        # go as a fresh DLPack capsule per call (a capsule is used once).
+        self._k = k if is_torch(k) else for_ext(k)
+        self._v = v if is_torch(v) else for_ext(v)
 
     @classmethod
     def bhsd(cls, k: Any, v: Any) -> "CacheView":
@@ -67,6 +69,12 @@ class CacheView:
         vLLM / FlashInfer NHD) or [num_pages, heads, page_size, head_dim]
         (``"hnd"``), with an int32 page table [num_seqs, max_pages]."""
         return cls(k_pool, v_pool, "paged_" + order, page_table)
+
+    def _ext_k(self) -> Any:
+        return for_ext(self._k)
+
+    def _ext_v(self) -> Any:
+        return for_ext(self._v)
 
     def __repr__(self) -> str:
         shape = tuple(getattr(self.k, "shape", ()))

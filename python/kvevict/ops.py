@@ -26,6 +26,7 @@ from torch import Tensor
 from torch.library import custom_op
 
 from . import _ext
+from ._arrays import for_ext as _a
 
 __all__ = [
     "init",
@@ -62,7 +63,7 @@ def _heads(desc: Sequence[int]) -> Tuple[int, int]:
 @custom_op("kvevict::init", mutates_args=("state",), device_types=("cpu", "cuda"))
 def init(state: Tensor, desc: List[int]) -> None:
     """Initialises a state tensor of ``Descriptor(desc).state_bytes`` bytes."""
-    _ext.init(_descriptor(desc), state, _stream(state))
+    _ext.init(_descriptor(desc), _a(state), _stream(state))
 
 
 @init.register_fake
@@ -73,7 +74,7 @@ def _(state, desc):
 @custom_op("kvevict::reset", mutates_args=("state",), device_types=("cpu", "cuda"))
 def reset(state: Tensor, desc: List[int], active: Optional[Tensor] = None, streams: Optional[Tensor] = None) -> None:
     """Forgets the active sequences; ``streams`` (int64): random's new request streams."""
-    _ext.reset(_descriptor(desc), state, active, streams, _stream(state))
+    _ext.reset(_descriptor(desc), _a(state), _a(active), _a(streams), _stream(state))
 
 
 @reset.register_fake
@@ -84,7 +85,7 @@ def _(state, desc, active=None, streams=None):
 @custom_op("kvevict::append", mutates_args=("state",), device_types=("cpu", "cuda"))
 def append(state: Tensor, desc: List[int], active: Optional[Tensor] = None) -> None:
     """Append without K/V: the caller writes each head's row to its next slot."""
-    _ext.append(_descriptor(desc), state, active, _stream(state))
+    _ext.append(_descriptor(desc), _a(state), _a(active), _stream(state))
 
 
 @append.register_fake
@@ -105,7 +106,10 @@ def append_kv(
     active: Optional[Tensor] = None,
 ) -> None:
     """Append fused with the scatter of k_new/v_new [B, Hkv, D] into each head's next slot."""
-    _ext.append_kv(_descriptor(desc), state, layout, k_cache, v_cache, page_table, k_new, v_new, active, _stream(state))
+    _ext.append_kv(
+        _descriptor(desc), _a(state), layout, _a(k_cache), _a(v_cache), _a(page_table), _a(k_new), _a(v_new),
+        _a(active), _stream(state),
+    )  # fmt: skip
 
 
 @append_kv.register_fake
@@ -127,7 +131,9 @@ def observe_evict(
     """Observe + evict from probabilities, per-KV-head increments or logits + LSE;
     returns the freed slot per (sequence, head), int32 [B, Hkv], -1 for none."""
     victims = torch.full(_heads(desc), -1, dtype=torch.int32, device=state.device)
-    _ext.observe_evict(_descriptor(desc), state, input, x, lse, scale, base, victims, active, _stream(state))
+    _ext.observe_evict(
+        _descriptor(desc), _a(state), input, _a(x), _a(lse), scale, base, _a(victims), _a(active), _stream(state)
+    )
     return victims
 
 
@@ -154,8 +160,8 @@ def observe_evict_queries(
     keys), and exact_greedy's step; returns the freed slots, int32 [B, Hkv]."""
     victims = torch.full(_heads(desc), -1, dtype=torch.int32, device=state.device)
     _ext.observe_evict_queries(
-        _descriptor(desc), state, queries, lse, scale, base, layout, k_cache, v_cache, page_table, victims, active,
-        _stream(state),
+        _descriptor(desc), _a(state), _a(queries), _a(lse), scale, base, layout, _a(k_cache), _a(v_cache),
+        _a(page_table), _a(victims), _a(active), _stream(state),
     )  # fmt: skip
     return victims
 
@@ -185,12 +191,15 @@ def prefill(
     """Batched prefill compression; returns the reclaimable trailing pages per sequence, int32 [B]."""
     d = _descriptor(desc)
     reclaimable = torch.zeros(desc[1], dtype=torch.int32, device=state.device)
-    args = (d, state, lengths, max_length, input, x, lse, scale, base, layout, k_cache, v_cache, page_table, reclaimable, active)
+    def args():  # DLPack capsules are used once: fresh ones per call
+        return (d, _a(state), _a(lengths), max_length, input, _a(x), _a(lse), scale, base, layout, _a(k_cache),
+                _a(v_cache), _a(page_table), _a(reclaimable), _a(active))
+
     workspace = None
     if state.is_cuda:  # the launcher's workspace, sized by a query first
-        nbytes = _ext.prefill(*args, None, _stream(state))
+        nbytes = _ext.prefill(*args(), None, _stream(state))
         workspace = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=state.device)
-    _ext.prefill(*args, workspace, _stream(state))
+    _ext.prefill(*args(), _a(workspace), _stream(state))
     return reclaimable
 
 
@@ -202,7 +211,7 @@ def _(state, desc, lengths, max_length, input, x, lse, scale, base, k_cache, v_c
 @custom_op("kvevict::append_tokens", mutates_args=("state",), device_types=("cpu", "cuda"))
 def append_tokens(state: Tensor, desc: List[int], tokens: int, active: Optional[Tensor] = None) -> None:
     """Appends ``tokens`` positions to every active sequence (multi-token step)."""
-    _ext.append_tokens(_descriptor(desc), state, tokens, active, _stream(state))
+    _ext.append_tokens(_descriptor(desc), _a(state), tokens, _a(active), _stream(state))
 
 
 @append_tokens.register_fake
@@ -229,8 +238,8 @@ def evict_to(
     with the step's queries and LSE); returns the tokens freed, int32 [B, Hkv]."""
     freed = torch.zeros(_heads(desc), dtype=torch.int32, device=state.device)
     _ext.evict_to(
-        _descriptor(desc), state, target, layout, k_cache, v_cache, page_table, queries, lse, scale, base, freed,
-        active, _stream(state),
+        _descriptor(desc), _a(state), target, layout, _a(k_cache), _a(v_cache), _a(page_table), _a(queries), _a(lse),
+        scale, base, _a(freed), _a(active), _stream(state),
     )  # fmt: skip
     return freed
 
@@ -247,7 +256,7 @@ def evict_to_moves(state: Tensor, desc: List[int], target: int, active: Optional
     B, H = _heads(desc)
     moves = torch.full((B, H, desc[4], 2), -1, dtype=torch.int32, device=state.device)
     counts = torch.zeros((B, H), dtype=torch.int32, device=state.device)
-    _ext.evict_to_moves(_descriptor(desc), state, target, moves, counts, active, _stream(state))
+    _ext.evict_to_moves(_descriptor(desc), _a(state), target, _a(moves), _a(counts), _a(active), _stream(state))
     return moves, counts
 
 

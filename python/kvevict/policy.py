@@ -114,8 +114,8 @@ class BatchedPolicy:
                 )
             self.state = torch.empty(self._desc.state_bytes, dtype=torch.uint8, device=self.device)
         self._cuda = self._torch is not None and self.device.type == "cuda"
-        _ext.init(self._desc, self.state, self._stream(None))
-        self._offsets = _ext.state_offsets(self._desc, self.state)
+        _ext.init(self._desc, for_ext(self.state), self._stream(None))
+        self._offsets = _ext.state_offsets(self._desc, for_ext(self.state))
         B, H, C = num_seqs, num_kv_heads, capacity
         self.positions = self._int32_view("positions", (B, H, C))
         """int32 [num_seqs, num_kv_heads, capacity]: the position each slot holds, -1 when free (a view)."""
@@ -164,13 +164,13 @@ class BatchedPolicy:
     def status(self, stream: Any = None) -> int:
         """The raw 64-bit status word (``kvevict._ext.STATUS_CLEAR`` when clear);
         on CUDA it waits for ``stream``."""
-        return _ext.status_word(self._desc, self.state, self._stream(stream))
+        return _ext.status_word(self._desc, for_ext(self.state), self._stream(stream))
 
     def check(self, stream: Any = None) -> None:
         """Raises the first bad input recorded since the last check, and clears
         it. Host calls already raise when they return; on CUDA this waits for
         ``stream`` (default: torch's current stream)."""
-        _ext.check(self._desc, self.state, self._stream(stream))
+        _ext.check(self._desc, for_ext(self.state), self._stream(stream))
 
     # ---- the calls ------------------------------------------------------------
 
@@ -180,7 +180,8 @@ class BatchedPolicy:
         entry, else the sequence index."""
         if self._compiling():
             return self._ops().reset(self.state, self.descriptor, self._active(active), self._array(streams, np.int64))
-        _ext.reset(self._desc, self.state, self._active(active), self._array(streams, np.uint64), self._stream(stream))
+        _ext.reset(self._desc, for_ext(self.state), for_ext(self._active(active)), for_ext(self._array(streams, np.uint64)),
+                   self._stream(stream))
 
     def append(
         self,
@@ -202,7 +203,7 @@ class BatchedPolicy:
                 raise _ext.InvalidArgument("kvevict.append: argument 'k_new'/'v_new' need 'cache'")
             if self._compiling():
                 return self._ops().append(self.state, self.descriptor, active)
-            return _ext.append(self._desc, self.state, active, self._stream(stream))
+            return _ext.append(self._desc, for_ext(self.state), for_ext(active), self._stream(stream))
         if k_new is None or v_new is None:
             raise _ext.InvalidArgument("kvevict.append: argument 'k_new' and 'v_new' are required with 'cache'")
         if self._compiling():
@@ -210,8 +211,8 @@ class BatchedPolicy:
                 self.state, self.descriptor, cache.k, cache.v, cache.page_table, cache._code, k_new, v_new, active
             )
         _ext.append_kv(
-            self._desc, self.state, cache._code, cache._k, cache._v, cache.page_table,
-            for_ext(k_new), for_ext(v_new), active, self._stream(stream),
+            self._desc, for_ext(self.state), cache._code, cache._ext_k(), cache._ext_v(), for_ext(cache.page_table),
+            for_ext(k_new), for_ext(v_new), for_ext(active), self._stream(stream),
         )  # fmt: skip
 
     def observe_evict(
@@ -263,8 +264,9 @@ class BatchedPolicy:
                 )  # fmt: skip
             victims = self._victims(out)
             _ext.observe_evict_queries(
-                self._desc, self.state, for_ext(queries), lse, float(scale), base_code, cache._code,
-                cache._k, cache._v, cache.page_table, victims, active, self._stream(stream),
+                self._desc, for_ext(self.state), for_ext(queries), for_ext(lse), float(scale), base_code, cache._code,
+                cache._ext_k(), cache._ext_v(), for_ext(cache.page_table), for_ext(victims), for_ext(active),
+                self._stream(stream),
             )  # fmt: skip
             return victims
         if logits is not None and lse is None:
@@ -276,8 +278,9 @@ class BatchedPolicy:
             return self._ops().observe_evict(self.state, self.descriptor, kind, x, lse, float(scale), base_code, active)
         victims = self._victims(out)
         _ext.observe_evict(
-            self._desc, self.state, kind, x, lse, float(scale), base_code, victims, active, self._stream(stream)
-        )
+            self._desc, for_ext(self.state), kind, for_ext(x), for_ext(lse), float(scale), base_code, for_ext(victims),
+            for_ext(active), self._stream(stream),
+        )  # fmt: skip
         return victims
 
     def prefill(
@@ -338,8 +341,9 @@ class BatchedPolicy:
             )  # fmt: skip
         reclaimable = self._new_int32((self.num_seqs,), 0)
         _ext.prefill(
-            self._desc, self.state, lengths, int(max_length), kind, for_ext(x), lse, float(scale), base_code,
-            cache._code, cache._k, cache._v, cache.page_table, reclaimable, active, None, 0,
+            self._desc, for_ext(self.state), for_ext(lengths), int(max_length), kind, for_ext(x), for_ext(lse),
+            float(scale), base_code, cache._code, cache._ext_k(), cache._ext_v(), for_ext(cache.page_table),
+            for_ext(reclaimable), for_ext(active), None, 0,
         )  # fmt: skip
         return reclaimable
 
@@ -352,7 +356,7 @@ class BatchedPolicy:
         active = self._active(active)
         if self._compiling():
             return self._ops().append_tokens(self.state, self.descriptor, int(tokens), active)
-        _ext.append_tokens(self._desc, self.state, int(tokens), active, self._stream(stream))
+        _ext.append_tokens(self._desc, for_ext(self.state), int(tokens), for_ext(active), self._stream(stream))
 
     def evict_to(
         self,
@@ -391,7 +395,10 @@ class BatchedPolicy:
             B, H, C = self.num_seqs, self.num_kv_heads, self.capacity
             moves = self._new_int32((B, H, C, 2), -1)
             counts = self._new_int32((B, H), 0)
-            _ext.evict_to_moves(self._desc, self.state, int(target), moves, counts, active, self._stream(stream))
+            _ext.evict_to_moves(
+                self._desc, for_ext(self.state), int(target), for_ext(moves), for_ext(counts), for_ext(active),
+                self._stream(stream),
+            )  # fmt: skip
             return moves, counts
         if self._compiling():
             return self._ops().evict_to(
@@ -400,8 +407,9 @@ class BatchedPolicy:
             )  # fmt: skip
         freed = self._new_int32((self.num_seqs, self.num_kv_heads), 0)
         _ext.evict_to(
-            self._desc, self.state, int(target), cache._code, cache._k, cache._v, cache.page_table,
-            for_ext(queries), lse, float(scale), base_code, freed, active, self._stream(stream),
+            self._desc, for_ext(self.state), int(target), cache._code, cache._ext_k(), cache._ext_v(),
+            for_ext(cache.page_table), for_ext(queries), for_ext(lse), float(scale), base_code, for_ext(freed),
+            for_ext(active), self._stream(stream),
         )  # fmt: skip
         return freed
 
