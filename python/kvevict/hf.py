@@ -13,7 +13,7 @@ next token's K/V row goes, so no K/V bytes move.
     import kvevict, kvevict.hf
     model.set_attn_implementation("kvevict")
     cache = kvevict.hf.KVEvictCache(kvevict.H2OConfig.from_ratios(total_tokens, 0.1, 0.1))
-    out = model.generate(input_ids, past_key_values=cache, max_new_tokens=128)
+    out = model.generate(input_ids, max_new_tokens=128, **kvevict.hf.generate_kwargs(cache))
     print(cache.kv_bytes(), "bytes instead of", cache.dynamic_kv_bytes())
 
 Prompts: the first forward of a sequence (the prompt) attends causally over
