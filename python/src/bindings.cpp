@@ -39,9 +39,10 @@ using kvevict::detail::concat;
 using kvevict::detail::fail;
 using kvevict::detail::site;
 
-/// Bytes before the kvevict state in the memory array: the status word, and
-/// room to keep the state's own 256-byte alignment slack independent of it.
-constexpr std::size_t state_header_bytes = 64;
+/// Bytes before the kvevict state in the memory array: the status word's
+/// place. 256, so that on a 256-byte aligned array (every CUDA allocation)
+/// the state's sub-arrays lie where make_batch_state would put them.
+constexpr std::size_t state_header_bytes = 256;
 
 // ---- errors ----------------------------------------------------------------
 
@@ -296,7 +297,8 @@ class Descriptor {
   /// The view `v` carved at `from`, moved to `to`: every pointer of the
   /// state shifted by the same amount.
   static batch_state_view rebase(batch_state_view v, std::uintptr_t from, std::uintptr_t to) {
-    static_assert(sizeof(batch_state_view) == 184 && sizeof(kvevict::history_view) == 56,
+    static_assert(sizeof(batch_state_view) == 232 && sizeof(kvevict::history_view) == 56 &&
+                      sizeof(kvevict::device_workspace) == 48,
                   "batch_state_view changed: shift its new pointers in rebase() too");
     auto shift = [&](auto*& p) {
       using T = std::remove_reference_t<decltype(*p)>;
@@ -316,6 +318,11 @@ class Descriptor {
     shift(v.history.rows);
     shift(v.history.cached);
     shift(v.history.work);
+    shift(v.work.partials);
+    shift(v.work.arrivals);
+    shift(v.work.evict_plans);
+    shift(v.work.evict_counts);
+    shift(v.work.select);
     return v;
   }
 
