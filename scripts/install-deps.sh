@@ -5,6 +5,7 @@
 #   scripts/install-deps.sh fidelity -> plus pip, venv and unzip (model download, llama.cpp check)
 #   scripts/install-deps.sh fuzz   -> plus clang and its libFuzzer runtime (scripts/run-fuzz.sh)
 #   scripts/install-deps.sh bench  -> the tests' set plus matplotlib (the report's plots)
+#   scripts/install-deps.sh python -> compiler, CMake, Python with venv and headers (scripts/run-python-tests.sh)
 set -euo pipefail
 packages=(g++ cmake make)
 case "${1:-tests}" in
@@ -12,6 +13,7 @@ case "${1:-tests}" in
   bench) packages+=(doctest-dev libbenchmark-dev python3 python3-matplotlib) ;;
   fidelity) packages+=(python3-pip python3-venv unzip) ;;
   fuzz) packages+=(clang libclang-rt-dev) ;;
+  python) packages+=(python3 python3-venv python3-dev) ;;
 esac
 missing=()
 for p in "${packages[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done

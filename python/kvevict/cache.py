@@ -1,0 +1,81 @@
+"""CacheView: one layer's K and V buffers as kvevict sees them.
+
+kvevict never owns or copies K/V: a CacheView names the caller's two
+arrays (NumPy or torch, on the state's device) and their layout. Rows
+(head_dim) must be contiguous; every other stride may be anything that keeps
+rows apart (padded, sliced or interleaved buffers), which the C++ library
+checks.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional
+
+from ._arrays import for_ext, is_torch
+
+Layout = Literal["bhsd", "bshd", "paged_nhd", "paged_hnd"]
+LAYOUT_CODES = {"bhsd": 0, "bshd": 1, "paged_nhd": 2, "paged_hnd": 3}
+
+
+class CacheView:
+    """K and V of one layer.
+
+    ========== ========================================== ===========
+    layout     K and V shape                              page_table
+    ========== ========================================== ===========
+    bhsd       [num_seqs, num_kv_heads, capacity, head_dim]  --
+    bshd       [num_seqs, capacity, num_kv_heads, head_dim]  --
+    paged_nhd  [num_pages, page_size, num_kv_heads, head_dim] int32 [num_seqs, max_pages]
+    paged_hnd  [num_pages, num_kv_heads, page_size, head_dim] int32 [num_seqs, max_pages]
+    ========== ========================================== ===========
+
+    Element types: float32, float16, bfloat16 (torch, or NumPy with
+    ml_dtypes' bfloat16). Slot ``s`` of sequence ``b`` in a paged cache is in
+    page ``page_table[b, s // page_size]``.
+    """
+
+    __slots__ = ("k", "v", "layout", "page_table", "_code", "_k", "_v")
+
+    def __init__(self, k: Any, v: Any, layout: Layout = "bhsd", page_table: Optional[Any] = None) -> None:
+        if layout not in LAYOUT_CODES:
+            from . import _ext
+
+            raise _ext.InvalidArgument(
+                f"kvevict.CacheView: argument 'layout' = {layout!r} is not one of {', '.join(LAYOUT_CODES)}"
+            )
+        self.k = k
+        self.v = v
+        self.layout = layout
+        self.page_table = page_table
+        self._code = LAYOUT_CODES[layout]
+        # NumPy arrays (bfloat16 views included) convert once; torch tensors
+        # go as a fresh DLPack capsule per call (a capsule is used once).
+        self._k = k if is_torch(k) else for_ext(k)
+        self._v = v if is_torch(v) else for_ext(v)
+
+    @classmethod
+    def bhsd(cls, k: Any, v: Any) -> "CacheView":
+        """[num_seqs, num_kv_heads, capacity, head_dim] (HND per sequence)."""
+        return cls(k, v, "bhsd")
+
+    @classmethod
+    def bshd(cls, k: Any, v: Any) -> "CacheView":
+        """[num_seqs, capacity, num_kv_heads, head_dim] (NHD per sequence)."""
+        return cls(k, v, "bshd")
+
+    @classmethod
+    def paged(cls, k_pool: Any, v_pool: Any, page_table: Any, order: Literal["nhd", "hnd"] = "nhd") -> "CacheView":
+        """Page pools [num_pages, page_size, heads, head_dim] (``order="nhd"``,
+        vLLM / FlashInfer NHD) or [num_pages, heads, page_size, head_dim]
+        (``"hnd"``), with an int32 page table [num_seqs, max_pages]."""
+        return cls(k_pool, v_pool, "paged_" + order, page_table)
+
+    def _ext_k(self) -> Any:
+        return for_ext(self._k)
+
+    def _ext_v(self) -> Any:
+        return for_ext(self._v)
+
+    def __repr__(self) -> str:
+        shape = tuple(getattr(self.k, "shape", ()))
+        return f"CacheView(layout={self.layout!r}, k.shape={shape}, dtype={getattr(self.k, 'dtype', None)})"

@@ -1,0 +1,145 @@
+"""Policy configurations, in the C++ library's terms (docs/policies.md).
+
+Each config is a frozen dataclass; the C++ library validates it when a
+policy is built (a bad one raises :class:`kvevict.BudgetError` naming the
+field). ``budget`` is the number of tokens a (sequence, KV head) keeps after
+an eviction; a policy needs ``capacity >= budget + 1`` slots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Union
+
+from . import _ext
+
+GroupReduce = Literal["sum", "mean", "max"]
+_REDUCE = {"sum": 0, "mean": 1, "max": 2}
+
+
+@dataclass(frozen=True)
+class H2OConfig:
+    """H2O (Zhang et al., 2023): the ``heavy`` tokens with the highest
+    accumulated attention plus the ``recent`` newest. ``reduce`` folds the
+    query heads of a GQA group into one KV head's score."""
+
+    heavy: int
+    recent: int
+    reduce: GroupReduce = "sum"
+
+    kind = 0
+
+    @property
+    def budget(self) -> int:
+        return self.heavy + self.recent
+
+    def _abc(self) -> tuple[int, int, int]:
+        if self.reduce not in _REDUCE:
+            raise _ext.InvalidArgument(
+                f"kvevict.H2OConfig: argument 'reduce' = {self.reduce!r} is not 'sum', 'mean' or 'max'"
+            )
+        return self.heavy, self.recent, _REDUCE[self.reduce]
+
+    @staticmethod
+    def from_ratios(length: int, heavy_ratio: float, recent_ratio: float, reduce: GroupReduce = "sum") -> "H2OConfig":
+        """``floor(heavy_ratio * length)`` heavy and ``floor(recent_ratio * length)``
+        recent tokens (the C++ ``h2o_from_ratios``; the paper's "20%" is 0.1 + 0.1)."""
+        heavy, recent = _ext.h2o_from_ratios(length, heavy_ratio, recent_ratio)
+        return H2OConfig(heavy, recent, reduce)
+
+
+@dataclass(frozen=True)
+class RecentWindowConfig:
+    """StreamingLLM (Xiao et al., 2024): the first ``sinks`` positions and the
+    ``window`` newest."""
+
+    sinks: int
+    window: int
+
+    kind = 1
+
+    @property
+    def budget(self) -> int:
+        return self.sinks + self.window
+
+    def _abc(self) -> tuple[int, int, int]:
+        return self.sinks, self.window, 0
+
+    @staticmethod
+    def from_ratio(length: int, ratio: float, sinks: int = 4) -> "RecentWindowConfig":
+        """``sinks`` sinks and the rest of ``floor(ratio * length)`` as the
+        window (the C++ ``recent_window_from_ratio``)."""
+        s, window = _ext.recent_window_from_ratio(length, ratio, sinks)
+        return RecentWindowConfig(s, window)
+
+
+@dataclass(frozen=True)
+class RandomConfig:
+    """Uniformly random victims among the unprotected tokens, drawn from
+    Philox4x32-10 keyed by ``seed``, the request stream, the head and the
+    newest position, so every device and batch schedule draws the same."""
+
+    budget: int
+    sinks: int = 0
+    recent: int = 0
+    seed: int = 0
+
+    kind = 2
+
+    def _abc(self) -> tuple[int, int, int]:
+        return self.budget, self.sinks, self.recent
+
+
+@dataclass(frozen=True)
+class ExactGreedyConfig:
+    """The one-step oracle: evicts the token whose removal changes the
+    current queries' attention output least (against the whole history).
+    For research and tests: it keeps a float copy of every K/V row."""
+
+    budget: int
+    recent: int = 0
+    sinks: int = 0
+
+    kind = 3
+
+    def _abc(self) -> tuple[int, int, int]:
+        return self.budget, self.recent, self.sinks
+
+
+PolicyConfig = Union[H2OConfig, RecentWindowConfig, RandomConfig, ExactGreedyConfig]
+
+
+def descriptor_values(
+    config: PolicyConfig,
+    num_seqs: int,
+    num_kv_heads: int,
+    num_q_heads: int,
+    capacity: int,
+    max_tokens: int = 0,
+    head_dim: int = 0,
+) -> tuple[int, ...]:
+    """The integers that identify a batched policy's state layout: the
+    ``desc`` argument of every ``torch.ops.kvevict`` op."""
+    if not isinstance(config, (H2OConfig, RecentWindowConfig, RandomConfig, ExactGreedyConfig)):
+        raise _ext.InvalidArgument(
+            f"kvevict: argument 'config' is a {type(config).__name__}, expected H2OConfig, "
+            "RecentWindowConfig, RandomConfig or ExactGreedyConfig"
+        )
+    a, b, c = config._abc()
+    seed = getattr(config, "seed", 0)
+    if not 0 <= seed < 2**64:
+        raise _ext.OutOfRange(f"kvevict.RandomConfig: argument 'seed' = {seed} is outside [0, 2^64)")
+    return (
+        config.kind,
+        num_seqs,
+        num_kv_heads,
+        num_q_heads,
+        capacity,
+        a,
+        b,
+        c,
+        seed & 0xFFFFFFFF,
+        seed >> 32,
+        max_tokens,
+        head_dim,
+    )

@@ -1,0 +1,427 @@
+"""An evicting KV cache for Hugging Face transformers 5.x.
+
+``KVEvictCache`` keeps ``budget + 1`` slots per (sequence, KV head) in every
+layer, and the attention implementation ``"kvevict"`` (registered with
+transformers when this module is imported, with its mask function) runs
+attention over those slots and feeds the probabilities to each layer's
+:class:`kvevict.BatchedPolicy`, which frees one slot per head each decode
+step, every decision made by the C++ library. The freed slot is where the
+next token's K/V row goes, so no K/V bytes move.
+
+::
+
+    import kvevict, kvevict.hf
+    model.set_attn_implementation("kvevict")
+    cache = kvevict.hf.KVEvictCache(kvevict.H2OConfig.from_ratios(total_tokens, 0.1, 0.1))
+    out = model.generate(input_ids, max_new_tokens=128, **kvevict.hf.generate_kwargs(cache))
+    print(cache.kv_bytes(), "bytes instead of", cache.dynamic_kv_bytes())
+
+Prompts: the first forward of a sequence (the prompt) attends causally over
+the whole prompt; then the prompt is compressed to the budget
+(``prompt_compression``):
+
+- ``"prefill"`` (default; h2o, recent_window, random): kvevict's batched
+  prefill, scored from the column sums of the prompt's attention (H2O's
+  prompt rule), the kept rows moved in place;
+- ``"evict_to"`` (every policy; the only one for exact_greedy): the prompt
+  as one multi-token append, scored by its last query, then ``evict_to``.
+
+Limits: one prompt forward then one token per forward (``generate`` with
+greedy or sampling decoding, batch 1 or unpadded batches); padded batches,
+beam search, assisted decoding and ``torch.compile`` of the model are
+refused with an error.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Any, Dict, List, Literal, Optional
+
+import torch
+from torch import nn
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+try:  # transformers >= 5.0
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+except ImportError as e:  # pragma: no cover - the package requires 5.x
+    raise ImportError("kvevict.hf needs transformers 5.x") from e
+
+from . import _ext
+from .cache import CacheView
+from .config import ExactGreedyConfig, PolicyConfig
+from .policy import BatchedPolicy
+
+ATTENTION = "kvevict"
+PromptCompression = Literal["prefill", "evict_to"]
+
+# Prompt attention is computed in blocks of query rows beyond this many
+# tokens, so a long prompt never materialises an [L, L] matrix per head.
+_PROMPT_ROWS_PER_BLOCK = 1024
+
+
+class KVEvictLayer(CacheLayerMixin):
+    """One layer of :class:`KVEvictCache`: its policy and its K/V slots.
+
+    ``keys`` / ``values`` are [batch, kv_heads, budget + 1, head_dim] once
+    the prompt is compressed (slot order, not position order: the slot
+    table is ``policy.positions``)."""
+
+    is_compileable = False
+    is_sliding = False
+    is_croppable = False
+
+    def __init__(self, cache: "KVEvictCache", layer_idx: int) -> None:
+        super().__init__()
+        self.cache = cache
+        self.layer_idx = layer_idx
+        self.policy: Optional[BatchedPolicy] = None
+        self.seen = 0  # tokens of each sequence so far (every sequence has the same length)
+        self.records: List[Dict[str, Any]] = []
+        self._pool: Optional[torch.Tensor] = None  # prompt-time pages
+        self._pool_v: Optional[torch.Tensor] = None
+        self._table: Optional[torch.Tensor] = None
+        self._view: Optional[CacheView] = None
+        self._probs: Optional[torch.Tensor] = None  # [B, Hq, budget + 1] while the cache fills
+        self._prompt_pending = False
+
+    # ---- transformers' layer interface -----------------------------------------
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        B, H, q_len, D = key_states.shape
+        if self._prompt_pending:
+            raise RuntimeError(
+                "kvevict.hf: the prompt's attention did not run through the 'kvevict' attention implementation; "
+                "call model.set_attn_implementation('kvevict') (or load the model with attn_implementation='kvevict')"
+            )
+        if self.policy is None:
+            return self._start_prompt(key_states, value_states)
+        if q_len != 1:
+            raise NotImplementedError(
+                f"kvevict.hf: layer {self.layer_idx} got {q_len} new tokens after the prompt; the cache takes one "
+                "prompt forward and then one token per forward (no assisted decoding or chunked prefill)"
+            )
+        if B != self.policy.num_seqs:
+            raise NotImplementedError("kvevict.hf: the batch size changed between forwards (beam search?)")
+        self.policy.append(cache=self._view, k_new=key_states[:, :, 0], v_new=value_states[:, :, 0])
+        self.seen += 1
+        n = min(self.seen, self.policy.budget + 1)  # occupied: exactly slots [0, n) of every head
+        keys, values = self.keys[:, :, :n], self.values[:, :, :n]
+        keys._kvevict_layer = self  # how the attention function finds the policy
+        return keys, values
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_mask_sizes(self, query: Any) -> tuple:
+        q_len = query.shape[0] if isinstance(query, torch.Tensor) else int(query)
+        if self.policy is None:
+            return q_len, 0
+        return min(self.seen + q_len, self.policy.budget + 1), 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def get_max_cache_shape(self) -> int:  # transformers < 5.2 names it so
+        return -1
+
+    def reset(self) -> None:
+        self.policy = None
+        self.seen = 0
+        self.keys = self.values = None
+        self._pool = self._pool_v = self._table = self._view = self._probs = None
+        self._prompt_pending = False
+        self.records = []
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("kvevict.hf: beam search is not supported (it would reorder the policies' state)")
+
+    def crop(self, *args: Any) -> None:
+        raise NotImplementedError("kvevict.hf: cropping an evicting cache is not supported")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.seen:
+            raise NotImplementedError("kvevict.hf: expanding a filled cache is not supported")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.seen:
+            raise NotImplementedError("kvevict.hf: selecting sequences of a filled cache is not supported")
+
+    # ---- the prompt -------------------------------------------------------------------
+
+    def _start_prompt(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        """The prompt's forward: attention runs over the prompt as given; the
+        attention function then calls _compress_prompt."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.policy = None
+        self.seen = key_states.shape[2]
+        self._prompt_pending = True
+        key_states._kvevict_layer = self
+        return key_states, value_states
+
+    def _place_prompt(self, key_states: torch.Tensor, value_states: torch.Tensor, num_q_heads: int) -> None:
+        """Builds the policy (the query heads are known now) and puts the
+        prompt's K/V in slots [0, L) of pages of budget + 1 slots (HND pages;
+        sequence b's pages are b, then B + b * (n - 1) ...)."""
+        B, H, L, D = key_states.shape
+        self.policy = self.cache._make_policy(B, H, num_q_heads, D, L, key_states.device)
+        P = self.policy.budget + 1
+        pages = self.policy.capacity // P
+        pool = key_states.new_empty((B * pages, H, P, D))
+        pool_v = value_states.new_empty((B * pages, H, P, D))
+        table = torch.empty((B, pages), dtype=torch.int32)
+        table[:, 0] = torch.arange(B, dtype=torch.int32)
+        if pages > 1:
+            table[:, 1:] = B + torch.arange(B * (pages - 1), dtype=torch.int32).view(B, pages - 1)
+        for j in range(pages):  # page j of every sequence: positions [j * P, (j + 1) * P)
+            lo, hi = j * P, min((j + 1) * P, L)
+            if lo >= hi:
+                break
+            pool[table[:, j].long(), :, : hi - lo] = key_states[:, :, lo:hi]
+            pool_v[table[:, j].long(), :, : hi - lo] = value_states[:, :, lo:hi]
+        self._pool, self._pool_v, self._table = pool, pool_v, table.to(key_states.device)
+        self._view = CacheView.paged(pool, pool_v, self._table, order="hnd")
+
+    def _finish_prompt(self, column_sums: Optional[torch.Tensor], last_probs: torch.Tensor,
+                       last_query: torch.Tensor, last_lse: torch.Tensor, scale: float) -> None:
+        policy = self.policy
+        B, L = policy.num_seqs, self.seen
+        mode = self.cache.prompt_compression
+        if mode == "prefill":
+            lengths = torch.full((B,), L, dtype=torch.int32, device=self._pool.device)
+            if self.cache._h2o:
+                policy.prefill(lengths, column_sums=column_sums, cache=self._view, max_length=L)
+            else:
+                policy.prefill(lengths, cache=self._view, max_length=L)
+        else:
+            policy.append_tokens(L)
+            if self.cache._greedy:
+                policy.observe_evict(queries=last_query, lse=last_lse, scale=scale, cache=self._view)
+                policy.evict_to(policy.budget, cache=self._view, queries=last_query, lse=last_lse, scale=scale)
+            else:
+                policy.observe_evict(probs=self._padded(last_probs))
+                policy.evict_to(policy.budget, cache=self._view)
+        if self.cache.record:
+            self.records.append({"kind": "prompt", "length": L, "column_sums": None if column_sums is None else column_sums.cpu(),
+                                 "last_probs": last_probs.cpu()})
+        # Every kept token is now in slots [0, budget + 1) of each head, the
+        # first page of its sequence: that page is the cache from here on.
+        B_pages = self._pool.shape[0]
+        if B_pages > B:
+            self.keys = self._pool[:B].clone()
+            self.values = self._pool_v[:B].clone()
+        else:
+            self.keys, self.values = self._pool, self._pool_v
+        table = torch.full_like(self._table, -1)  # later pages are gone: never touched again
+        table[:, 0] = torch.arange(B, dtype=torch.int32, device=table.device)
+        self._pool = self._pool_v = None
+        self._table = table
+        self._view = CacheView.paged(self.keys, self.values, table, order="hnd")
+        self._prompt_pending = False
+
+    def _padded(self, probs: torch.Tensor) -> torch.Tensor:
+        """probs [B, Hq, n] as an input at least budget + 1 wide (the batched
+        API's check): n < budget + 1 while the cache fills."""
+        W = self.policy.budget + 1
+        if probs.shape[-1] >= W:
+            return probs
+        if self._probs is None or self._probs.shape[:2] != probs.shape[:2]:
+            self._probs = probs.new_zeros((probs.shape[0], probs.shape[1], W))
+        self._probs[:, :, : probs.shape[-1]] = probs
+        return self._probs
+
+    # ---- a decode step, from the attention function ------------------------------------
+
+    def _observe(self, probs: torch.Tensor, query: torch.Tensor, lse: torch.Tensor, scale: float) -> None:
+        if self.cache._greedy:
+            self.policy.observe_evict(queries=query, lse=lse, scale=scale, cache=self._view)
+        else:
+            self.policy.observe_evict(probs=self._padded(probs))
+        if self.cache.record:
+            self.records.append({"kind": "decode", "probs": probs.cpu()})
+
+
+class KVEvictCache(Cache):
+    """A transformers ``Cache`` whose layers keep ``budget + 1`` slots per
+    (sequence, KV head), evicted by a kvevict policy each decode step.
+
+    Args:
+        config: the policy (:class:`kvevict.H2OConfig`, ...), the same for
+            every layer, each layer with its own scores.
+        prompt_compression: ``"prefill"`` or ``"evict_to"`` (see the module).
+        max_length: exact_greedy only: the longest a sequence grows (prompt +
+            new tokens); its history holds that many rows.
+        record: keep, per layer, the attention each policy was fed (the
+            prompt's column sums and each step's probabilities, on the CPU),
+            for tests and analysis.
+    """
+
+    def __init__(
+        self,
+        config: PolicyConfig,
+        *,
+        prompt_compression: Optional[PromptCompression] = None,
+        max_length: Optional[int] = None,
+        record: bool = False,
+    ) -> None:
+        super().__init__(layers=[])
+        self.config = config
+        self._greedy = isinstance(config, ExactGreedyConfig)
+        self._h2o = type(config).__name__ == "H2OConfig"
+        if prompt_compression is None:
+            prompt_compression = "evict_to" if self._greedy else "prefill"
+        if prompt_compression not in ("prefill", "evict_to"):
+            raise _ext.InvalidArgument(
+                f"kvevict.hf: argument 'prompt_compression' = {prompt_compression!r} is not 'prefill' or 'evict_to'"
+            )
+        if self._greedy and prompt_compression == "prefill":
+            raise _ext.InvalidArgument(
+                "kvevict.hf: exact_greedy has no batched prefill; use prompt_compression='evict_to'"
+            )
+        if self._greedy and max_length is None:
+            raise _ext.InvalidArgument("kvevict.hf: exact_greedy needs 'max_length' (prompt + new tokens)")
+        self.prompt_compression = prompt_compression
+        self.max_length = max_length
+        self.record = record
+
+    def _make_policy(self, B: int, H: int, Hq: int, D: int, L: int, device: torch.device) -> BatchedPolicy:
+        # The state's capacity covers the prompt (whole pages of budget + 1
+        # slots); after it only the first page is ever used again.
+        budget = self.config.budget
+        capacity = max(1, math.ceil(L / (budget + 1))) * (budget + 1)
+        extra = dict(max_tokens=max(self.max_length, capacity), head_dim=D) if self._greedy else {}
+        return BatchedPolicy(self.config, B, H, capacity, num_q_heads=Hq, device=device, **extra)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
+        while len(self.layers) <= layer_idx:
+            self.layers.append(KVEvictLayer(self, len(self.layers)))
+        return self.layers[layer_idx].update(key_states, value_states)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        if layer_idx >= len(self.layers):
+            return 0
+        return self.layers[layer_idx].get_seq_length()
+
+    def get_mask_sizes(self, query: Any, layer_idx: int = 0) -> tuple:
+        if layer_idx >= len(self.layers):
+            q_len = query.shape[0] if isinstance(query, torch.Tensor) else int(query)
+            return q_len, 0
+        return self.layers[layer_idx].get_mask_sizes(query)
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        return -1
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    # ---- reporting ------------------------------------------------------------------------
+
+    def kv_bytes(self) -> int:
+        """Bytes of K and V the cache holds now, all layers."""
+        return sum(l.keys.nbytes + l.values.nbytes for l in self.layers if l.keys is not None)
+
+    def dynamic_kv_bytes(self) -> int:
+        """Bytes a DynamicCache would hold for the same tokens."""
+        total = 0
+        for l in self.layers:
+            if l.keys is not None:
+                B, H, _, D = l.keys.shape
+                total += 2 * B * H * l.seen * D * l.keys.element_size()
+        return total
+
+
+# ---- the attention implementation -----------------------------------------------------------
+
+
+def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """[B, Hkv, S, D] -> [B, Hkv * groups, S, D], as transformers' repeat_kv."""
+    if groups == 1:
+        return x
+    B, H, S, D = x.shape
+    return x[:, :, None, :, :].expand(B, H, groups, S, D).reshape(B, H * groups, S, D)
+
+
+def _eager(module: nn.Module, query, key, value, attention_mask, scaling, dropout=0.0):
+    """transformers' eager attention, line for line: the numbers the
+    DynamicCache baseline computes, and the fallback without a kvevict layer."""
+    groups = query.shape[1] // key.shape[1]
+    k, v = _repeat_kv(key, groups), _repeat_kv(value, groups)
+    weights = torch.matmul(query, k.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        weights = weights + attention_mask
+    p32 = nn.functional.softmax(weights, dim=-1, dtype=torch.float32)
+    probs = nn.functional.dropout(p32.to(query.dtype), p=dropout, training=module.training)
+    out = torch.matmul(probs, v).transpose(1, 2).contiguous()
+    return out, probs, weights, p32
+
+
+def kvevict_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: Optional[torch.Tensor], scaling: float, dropout: float = 0.0, **kwargs: Any):
+    """Attention over a KVEvictCache layer's slots, feeding its policy.
+
+    Without a kvevict cache (no cache, or another one) it is eager attention."""
+    layer: Optional[KVEvictLayer] = getattr(key, "_kvevict_layer", None)
+    if layer is None:
+        out, probs, _, _ = _eager(module, query, key, value, attention_mask, scaling, dropout)
+        return out, probs
+    B, Hq, q_len, D = query.shape
+    scale = float(scaling)
+    if layer._prompt_pending:
+        L = key.shape[2]
+        if q_len != L:
+            raise NotImplementedError("kvevict.hf: the prompt forward must hold the whole prompt")
+        layer._place_prompt(key, value, Hq)
+        causal = torch.full((L, L), torch.finfo(query.dtype).min, dtype=query.dtype, device=query.device).triu(1)
+        outs, sums = [], None
+        last_probs = last_w = None
+        step = L if L <= _PROMPT_ROWS_PER_BLOCK else _PROMPT_ROWS_PER_BLOCK
+        for lo in range(0, L, step):
+            hi = min(lo + step, L)
+            out, _, w, p32 = _eager(module, query[:, :, lo:hi], key, value, causal[lo:hi], scaling, dropout)
+            outs.append(out)
+            if layer.cache._h2o and layer.cache.prompt_compression == "prefill":
+                part = p32.sum(dim=2)
+                sums = part if sums is None else sums + part
+            last_probs, last_w = p32[:, :, -1, :], w[:, :, -1, :]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        lse = torch.logsumexp(last_w.float(), dim=-1)
+        layer._finish_prompt(sums, last_probs, query[:, :, -1], lse, scale)
+        return out, None
+    if q_len != 1:
+        raise NotImplementedError("kvevict.hf: one token per forward after the prompt")
+    out, probs, w, p32 = _eager(module, query, key, value, None, scaling, dropout)
+    lse = torch.logsumexp(w.float(), dim=-1)[:, :, 0] if layer.cache._greedy else None
+    layer._observe(p32[:, :, 0, :], query[:, :, 0], lse, scale)
+    return out, probs
+
+
+def kvevict_mask(*args: Any, attention_mask: Optional[torch.Tensor] = None, **kwargs: Any):
+    """The mask function of the 'kvevict' attention: none is needed (the
+    prompt is causal, a decode step sees every slot), but a padded batch is
+    refused here, where transformers hands over the padding mask."""
+    if attention_mask is not None and attention_mask.ndim == 2 and not bool(attention_mask.all()):
+        raise NotImplementedError(
+            "kvevict.hf: padded batches are not supported (the attention mask has padding); generate the "
+            "sequences separately or as a batch of equal lengths"
+        )
+    return None
+
+
+def generate_kwargs(cache: Cache) -> Dict[str, Cache]:
+    """The keyword that hands a cache to ``model.generate``: ``cache`` from
+    transformers 5.24 on (``past_key_values`` is deprecated there), else
+    ``past_key_values``: ``model.generate(ids, **generate_kwargs(cache))``."""
+    from transformers.masking_utils import create_causal_mask
+
+    return {"cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values": cache}
+
+
+AttentionInterface.register(ATTENTION, kvevict_attention)
+AttentionMaskInterface.register(ATTENTION, kvevict_mask)

@@ -1,0 +1,266 @@
+"""torch.library custom ops: ``torch.ops.kvevict.*``.
+
+Every call of the batched API that takes tensors is a custom op with a fake
+(meta) kernel, so ``torch.compile`` traces through it and CUDA graphs capture
+it; :class:`kvevict.BatchedPolicy` routes through these ops while compiling.
+Importing this module registers them.
+
+Each op takes the policy's state tensor (mutated) and its descriptor
+``desc`` (:attr:`BatchedPolicy.descriptor`: the integers that say how the
+state is laid out), and runs on the state's device: the host backend for CPU
+tensors, the CUDA launchers on torch's current stream for CUDA tensors.
+Bad data raises on CPU when the op returns; on CUDA it is recorded in the
+state and raised by :meth:`BatchedPolicy.check`.
+
+``layout``: 0 bhsd, 1 bshd, 2 paged nhd, 3 paged hnd (:class:`CacheView`).
+``input``: observe_evict 0 probs, 1 head scores, 2 logits;
+prefill 0 probs, 1 column sums, 2 queries, 3 none. ``base``: 0 natural, 1 base 2.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+from torch.library import custom_op
+
+from . import _ext
+from ._arrays import for_ext as _a
+
+__all__ = [
+    "init",
+    "reset",
+    "append",
+    "append_kv",
+    "observe_evict",
+    "observe_evict_queries",
+    "prefill",
+    "append_tokens",
+    "evict_to",
+    "evict_to_moves",
+]
+
+_descriptors: Dict[Tuple[int, ...], _ext.Descriptor] = {}
+
+
+def _descriptor(desc: Sequence[int]) -> _ext.Descriptor:
+    key = tuple(desc)
+    d = _descriptors.get(key)
+    if d is None:
+        d = _descriptors[key] = _ext.Descriptor(list(key))
+    return d
+
+
+def _stream(state: Tensor) -> int:
+    return torch.cuda.current_stream(state.device).cuda_stream if state.is_cuda else 0
+
+
+def _heads(desc: Sequence[int]) -> Tuple[int, int]:
+    return desc[1], desc[2]  # num_seqs, num_kv_heads
+
+
+@custom_op("kvevict::init", mutates_args=("state",), device_types=("cpu", "cuda"))
+def init(state: Tensor, desc: List[int]) -> None:
+    """Initialises a state tensor of ``Descriptor(desc).state_bytes`` bytes."""
+    _ext.init(_descriptor(desc), _a(state), _stream(state))
+
+
+@init.register_fake
+def _(state, desc):
+    return None
+
+
+@custom_op("kvevict::reset", mutates_args=("state",), device_types=("cpu", "cuda"))
+def reset(state: Tensor, desc: List[int], active: Optional[Tensor] = None, streams: Optional[Tensor] = None) -> None:
+    """Forgets the active sequences; ``streams`` (int64): random's new request streams."""
+    _ext.reset(_descriptor(desc), _a(state), _a(active), _a(streams), _stream(state))
+
+
+@reset.register_fake
+def _(state, desc, active=None, streams=None):
+    return None
+
+
+@custom_op("kvevict::append", mutates_args=("state",), device_types=("cpu", "cuda"))
+def append(state: Tensor, desc: List[int], active: Optional[Tensor] = None) -> None:
+    """Append without K/V: the caller writes each head's row to its next slot."""
+    _ext.append(_descriptor(desc), _a(state), _a(active), _stream(state))
+
+
+@append.register_fake
+def _(state, desc, active=None):
+    return None
+
+
+@custom_op("kvevict::append_kv", mutates_args=("state", "k_cache", "v_cache"), device_types=("cpu", "cuda"))
+def append_kv(
+    state: Tensor,
+    desc: List[int],
+    k_cache: Tensor,
+    v_cache: Tensor,
+    page_table: Optional[Tensor],
+    layout: int,
+    k_new: Tensor,
+    v_new: Tensor,
+    active: Optional[Tensor] = None,
+) -> None:
+    """Append fused with the scatter of k_new/v_new [B, Hkv, D] into each head's next slot."""
+    _ext.append_kv(
+        _descriptor(desc), _a(state), layout, _a(k_cache), _a(v_cache), _a(page_table), _a(k_new), _a(v_new),
+        _a(active), _stream(state),
+    )  # fmt: skip
+
+
+@append_kv.register_fake
+def _(state, desc, k_cache, v_cache, page_table, layout, k_new, v_new, active=None):
+    return None
+
+
+@custom_op("kvevict::observe_evict", mutates_args=("state",), device_types=("cpu", "cuda"))
+def observe_evict(
+    state: Tensor,
+    desc: List[int],
+    input: int,
+    x: Tensor,
+    lse: Optional[Tensor],
+    scale: float,
+    base: int,
+    active: Optional[Tensor] = None,
+) -> Tensor:
+    """Observe + evict from probabilities, per-KV-head increments or logits + LSE;
+    returns the freed slot per (sequence, head), int32 [B, Hkv], -1 for none."""
+    victims = torch.full(_heads(desc), -1, dtype=torch.int32, device=state.device)
+    _ext.observe_evict(
+        _descriptor(desc), _a(state), input, _a(x), _a(lse), scale, base, _a(victims), _a(active), _stream(state)
+    )
+    return victims
+
+
+@observe_evict.register_fake
+def _(state, desc, input, x, lse, scale, base, active=None):
+    return state.new_empty(_heads(desc), dtype=torch.int32)
+
+
+@custom_op("kvevict::observe_evict_queries", mutates_args=("state",), device_types=("cpu", "cuda"))
+def observe_evict_queries(
+    state: Tensor,
+    desc: List[int],
+    queries: Tensor,
+    lse: Tensor,
+    scale: float,
+    base: int,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    page_table: Optional[Tensor],
+    layout: int,
+    active: Optional[Tensor] = None,
+) -> Tensor:
+    """Observe + evict from queries + LSE (logits recomputed from the cached
+    keys), and exact_greedy's step; returns the freed slots, int32 [B, Hkv]."""
+    victims = torch.full(_heads(desc), -1, dtype=torch.int32, device=state.device)
+    _ext.observe_evict_queries(
+        _descriptor(desc), _a(state), _a(queries), _a(lse), scale, base, layout, _a(k_cache), _a(v_cache),
+        _a(page_table), _a(victims), _a(active), _stream(state),
+    )  # fmt: skip
+    return victims
+
+
+@observe_evict_queries.register_fake
+def _(state, desc, queries, lse, scale, base, k_cache, v_cache, page_table, layout, active=None):
+    return state.new_empty(_heads(desc), dtype=torch.int32)
+
+
+@custom_op("kvevict::prefill", mutates_args=("state", "k_cache", "v_cache"), device_types=("cpu", "cuda"))
+def prefill(
+    state: Tensor,
+    desc: List[int],
+    lengths: Tensor,
+    max_length: int,
+    input: int,
+    x: Optional[Tensor],
+    lse: Optional[Tensor],
+    scale: float,
+    base: int,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    page_table: Optional[Tensor],
+    layout: int,
+    active: Optional[Tensor] = None,
+) -> Tensor:
+    """Batched prefill compression; returns the reclaimable trailing pages per sequence, int32 [B]."""
+    d = _descriptor(desc)
+    reclaimable = torch.zeros(desc[1], dtype=torch.int32, device=state.device)
+    def args():  # DLPack capsules are used once: fresh ones per call
+        return (d, _a(state), _a(lengths), max_length, input, _a(x), _a(lse), scale, base, layout, _a(k_cache),
+                _a(v_cache), _a(page_table), _a(reclaimable), _a(active))
+
+    workspace = None
+    if state.is_cuda:  # the launcher's workspace, sized by a query first
+        nbytes = _ext.prefill(*args(), None, _stream(state))
+        workspace = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=state.device)
+    _ext.prefill(*args(), _a(workspace), _stream(state))
+    return reclaimable
+
+
+@prefill.register_fake
+def _(state, desc, lengths, max_length, input, x, lse, scale, base, k_cache, v_cache, page_table, layout, active=None):
+    return state.new_empty((desc[1],), dtype=torch.int32)
+
+
+@custom_op("kvevict::append_tokens", mutates_args=("state",), device_types=("cpu", "cuda"))
+def append_tokens(state: Tensor, desc: List[int], tokens: int, active: Optional[Tensor] = None) -> None:
+    """Appends ``tokens`` positions to every active sequence (multi-token step)."""
+    _ext.append_tokens(_descriptor(desc), _a(state), tokens, _a(active), _stream(state))
+
+
+@append_tokens.register_fake
+def _(state, desc, tokens, active=None):
+    return None
+
+
+@custom_op("kvevict::evict_to", mutates_args=("state", "k_cache", "v_cache"), device_types=("cpu", "cuda"))
+def evict_to(
+    state: Tensor,
+    desc: List[int],
+    target: int,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    page_table: Optional[Tensor],
+    layout: int,
+    queries: Optional[Tensor] = None,
+    lse: Optional[Tensor] = None,
+    scale: float = 1.0,
+    base: int = 0,
+    active: Optional[Tensor] = None,
+) -> Tensor:
+    """evict_to(target) with the kept rows compacted in the cache (exact_greedy:
+    with the step's queries and LSE); returns the tokens freed, int32 [B, Hkv]."""
+    freed = torch.zeros(_heads(desc), dtype=torch.int32, device=state.device)
+    _ext.evict_to(
+        _descriptor(desc), _a(state), target, layout, _a(k_cache), _a(v_cache), _a(page_table), _a(queries), _a(lse),
+        scale, base, _a(freed), _a(active), _stream(state),
+    )  # fmt: skip
+    return freed
+
+
+@evict_to.register_fake
+def _(state, desc, target, k_cache, v_cache, page_table, layout, queries=None, lse=None, scale=1.0, base=0, active=None):
+    return state.new_empty(_heads(desc), dtype=torch.int32)
+
+
+@custom_op("kvevict::evict_to_moves", mutates_args=("state",), device_types=("cpu", "cuda"))
+def evict_to_moves(state: Tensor, desc: List[int], target: int, active: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """evict_to(target) reporting the row moves instead of making them:
+    (moves int32 [B, Hkv, capacity, 2] of (from, to), move_counts int32 [B, Hkv])."""
+    B, H = _heads(desc)
+    moves = torch.full((B, H, desc[4], 2), -1, dtype=torch.int32, device=state.device)
+    counts = torch.zeros((B, H), dtype=torch.int32, device=state.device)
+    _ext.evict_to_moves(_descriptor(desc), _a(state), target, _a(moves), _a(counts), _a(active), _stream(state))
+    return moves, counts
+
+
+@evict_to_moves.register_fake
+def _(state, desc, target, active=None):
+    B, H = _heads(desc)
+    return state.new_empty((B, H, desc[4], 2), dtype=torch.int32), state.new_empty((B, H), dtype=torch.int32)

@@ -1,0 +1,467 @@
+"""BatchedPolicy: one layer's eviction policy for a ragged batch.
+
+A thin object over the C++ batched API (``kvevict/batch/*.hpp`` on the host,
+``kvevict/cuda/*.cuh`` on CUDA). It owns one state array, a NumPy array or a
+torch tensor on the policy's device, and every call hands that array and
+the caller's tensors (zero-copy, by DLPack) to the extension; the slot table
+and counts are views of the state array. Nothing here decides anything.
+
+The decode cycle, per layer and step::
+
+    policy.append(cache=cache, k_new=k, v_new=v)   # each head's new row goes to its next slot
+    ...  # attention over slots [0, policy.counts[b, h]) of every (b, h)
+    victims = policy.observe_evict(probs=p)        # add this step's attention, free one slot per head
+
+Errors: arguments (shapes, dtypes, strides, devices) raise before anything
+changes. Bad data (NaN, a negative probability, a score that would
+overflow) leaves the (sequence, head) it belongs to unchanged; the rest of
+the batch steps, and on the host the call then raises the lowest offender
+(:class:`kvevict.NonFiniteError` and friends). On CUDA the calls do not
+wait for the GPU: the status is kept on the device and :meth:`check` raises it.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Literal, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from . import _ext
+from ._arrays import for_ext, is_torch
+from .cache import CacheView
+from .config import ExactGreedyConfig, PolicyConfig, descriptor_values
+
+LseBase = Literal["natural", "base2"]
+_BASES = {"natural": 0, "base2": 1}
+
+
+def _base_code(base: LseBase) -> int:
+    try:
+        return _BASES[base]
+    except KeyError:
+        raise _ext.InvalidArgument(
+            f"kvevict: argument 'base' = {base!r} is not 'natural' (FlashAttention) or 'base2' (FlashInfer)"
+        ) from None
+
+
+class BatchedPolicy:
+    """One layer's batched policy over ``num_seqs`` sequences.
+
+    Args:
+        config: an :class:`H2OConfig`, :class:`RecentWindowConfig`,
+            :class:`RandomConfig` or :class:`ExactGreedyConfig`.
+        num_seqs, num_kv_heads: the batch and the KV heads of the layer.
+        capacity: slots per (sequence, KV head); at least ``budget + 1``, and
+            at least the longest prompt :meth:`prefill` compresses.
+        num_q_heads: query heads (a multiple of ``num_kv_heads``; GQA group
+            ``num_q_heads // num_kv_heads``). Default: ``num_kv_heads``.
+        max_tokens, head_dim: exact_greedy only: the longest a sequence may
+            grow, and the head dimension (its history of K/V rows).
+        device: ``None`` keeps the state in a NumPy array (no torch needed);
+            otherwise a torch device (``"cpu"``, ``"cuda"``, ``"cuda:1"``, a
+            ``torch.device``) for a torch state tensor there. Inputs must be on
+            the state's device; host arrays of either kind mix freely.
+    """
+
+    def __init__(
+        self,
+        config: PolicyConfig,
+        num_seqs: int,
+        num_kv_heads: int,
+        capacity: int,
+        *,
+        num_q_heads: Optional[int] = None,
+        max_tokens: Optional[int] = None,
+        head_dim: Optional[int] = None,
+        device: Any = None,
+    ) -> None:
+        if num_q_heads is None:
+            num_q_heads = num_kv_heads
+        greedy = isinstance(config, ExactGreedyConfig)
+        if greedy and (max_tokens is None or head_dim is None):
+            raise _ext.InvalidArgument(
+                "kvevict.BatchedPolicy: argument 'max_tokens' and 'head_dim' are required for exact_greedy "
+                "(its history holds every K/V row a sequence sees)"
+            )
+        if not greedy and (max_tokens is not None or head_dim is not None):
+            raise _ext.InvalidArgument(
+                "kvevict.BatchedPolicy: argument 'max_tokens' / 'head_dim' apply to exact_greedy only"
+            )
+        self.config = config
+        self.num_seqs = num_seqs
+        self.num_kv_heads = num_kv_heads
+        self.num_q_heads = num_q_heads
+        self.capacity = capacity
+        self.descriptor: Tuple[int, ...] = descriptor_values(
+            config, num_seqs, num_kv_heads, num_q_heads, capacity, max_tokens or 0, head_dim or 0
+        )
+        self._desc = _ext.Descriptor(list(self.descriptor))  # validates the shape and config
+        self.budget: int = self._desc.budget
+        if device is None:
+            self._torch = None
+            self.device = "cpu"
+            self.state = np.empty(self._desc.state_bytes, dtype=np.uint8)
+        else:
+            import torch
+
+            self._torch = torch
+            self.device = torch.device(device)
+            if self.device.type == "cuda" and not _ext.CUDA:
+                raise _ext.InvalidArgument(
+                    "kvevict.BatchedPolicy: argument 'device' is CUDA, but this kvevict was built without CUDA "
+                    "(nvcc was not found when it was installed)"
+                )
+            self.state = torch.empty(self._desc.state_bytes, dtype=torch.uint8, device=self.device)
+        self._cuda = self._torch is not None and self.device.type == "cuda"
+        _ext.init(self._desc, for_ext(self.state), self._stream(None))
+        self._offsets = _ext.state_offsets(self._desc, for_ext(self.state))
+        B, H, C = num_seqs, num_kv_heads, capacity
+        self.positions = self._int32_view("positions", (B, H, C))
+        """int32 [num_seqs, num_kv_heads, capacity]: the position each slot holds, -1 when free (a view)."""
+        self.counts = self._int32_view("counts", (B, H))
+        """int32 [num_seqs, num_kv_heads]: occupied slots; between append and observe_evict they are [0, count)."""
+        self.next_slots = self._int32_view("next_slots", (B, H))
+        """int32 [num_seqs, num_kv_heads]: where each head's next token goes (-1: none, evict first)."""
+        self.lengths = self._int32_view("lengths", (B,))
+        """int32 [num_seqs]: tokens each sequence has seen (the next position)."""
+
+    # ---- views of the state -------------------------------------------------
+
+    def _bytes(self, name: str, nbytes: int) -> Any:
+        off = self._offsets[name]
+        return self.state[off : off + nbytes]
+
+    def _int32_view(self, name: str, shape: Tuple[int, ...]) -> Any:
+        n = int(np.prod(shape))
+        raw = self._bytes(name, 4 * n)
+        if self._torch is None:
+            return raw.view(np.int32).reshape(shape)
+        return raw.view(self._torch.int32).view(shape)
+
+    @property
+    def scores(self) -> Any:
+        """float32 [num_seqs, num_kv_heads, capacity]: each slot's score (0 when
+        free). A copy: the state double-buffers scores per head."""
+        B, H, C = self.num_seqs, self.num_kv_heads, self.capacity
+        raw = self._bytes("scores", 2 * B * H * C * 4)
+        which = self._bytes("score_buffer", B * H)
+        if self._torch is None:
+            both = raw.view(np.float32).reshape(2, B, H, C)
+            return np.where(which.reshape(B, H, 1) == 0, both[0], both[1])
+        both = raw.view(self._torch.float32).view(2, B, H, C)
+        return self._torch.where(which.view(B, H, 1) == 0, both[0], both[1])
+
+    @property
+    def streams(self) -> Any:
+        """random only: each sequence's request stream (uint64 NumPy / int64 torch view)."""
+        off = self._offsets["streams"]
+        if off is None:
+            return None
+        raw = self._bytes("streams", 8 * self.num_seqs)
+        return raw.view(np.uint64) if self._torch is None else raw.view(self._torch.int64)
+
+    def status(self, stream: Any = None) -> int:
+        """The raw 64-bit status word (``kvevict._ext.STATUS_CLEAR`` when clear);
+        on CUDA it waits for ``stream``."""
+        return _ext.status_word(self._desc, for_ext(self.state), self._stream(stream))
+
+    def check(self, stream: Any = None) -> None:
+        """Raises the first bad input recorded since the last check, and clears
+        it. Host calls already raise when they return; on CUDA this waits for
+        ``stream`` (default: torch's current stream)."""
+        _ext.check(self._desc, for_ext(self.state), self._stream(stream))
+
+    # ---- the calls ------------------------------------------------------------
+
+    def reset(self, active: Any = None, streams: Any = None, stream: Any = None) -> None:
+        """Forgets the active sequences (all by default): every slot free,
+        scores 0, length 0. ``streams`` (random): one request stream per active
+        entry, else the sequence index."""
+        if self._compiling():
+            return self._ops().reset(self.state, self.descriptor, self._active(active), self._array(streams, np.int64))
+        _ext.reset(self._desc, for_ext(self.state), for_ext(self._active(active)), for_ext(self._array(streams, np.uint64)),
+                   self._stream(stream))
+
+    def append(
+        self,
+        active: Any = None,
+        *,
+        cache: Optional[CacheView] = None,
+        k_new: Any = None,
+        v_new: Any = None,
+        stream: Any = None,
+    ) -> None:
+        """Step 1 of the decode cycle: each active sequence's next position goes
+        to every head's next slot (:attr:`next_slots`). With ``cache``,
+        ``k_new``/``v_new`` [num_seqs, num_kv_heads, head_dim] are written there
+        too (fused scatter); without, the caller writes them. A sequence with a
+        head at budget + 1 tokens is not appended (:class:`StateError`)."""
+        active = self._active(active)
+        if cache is None:
+            if k_new is not None or v_new is not None:
+                raise _ext.InvalidArgument("kvevict.append: argument 'k_new'/'v_new' need 'cache'")
+            if self._compiling():
+                return self._ops().append(self.state, self.descriptor, active)
+            return _ext.append(self._desc, for_ext(self.state), for_ext(active), self._stream(stream))
+        if k_new is None or v_new is None:
+            raise _ext.InvalidArgument("kvevict.append: argument 'k_new' and 'v_new' are required with 'cache'")
+        if self._compiling():
+            return self._ops().append_kv(
+                self.state, self.descriptor, cache.k, cache.v, cache.page_table, cache._code, k_new, v_new, active
+            )
+        _ext.append_kv(
+            self._desc, for_ext(self.state), cache._code, cache._ext_k(), cache._ext_v(), for_ext(cache.page_table),
+            for_ext(k_new), for_ext(v_new), for_ext(active), self._stream(stream),
+        )  # fmt: skip
+
+    def observe_evict(
+        self,
+        probs: Any = None,
+        *,
+        head_scores: Any = None,
+        logits: Any = None,
+        queries: Any = None,
+        lse: Any = None,
+        scale: float = 1.0,
+        base: LseBase = "natural",
+        cache: Optional[CacheView] = None,
+        active: Any = None,
+        out: Any = None,
+        stream: Any = None,
+    ) -> Any:
+        """Steps 5 and 6, fused: adds this step's attention to every occupied
+        slot's score and, above the budget, frees one victim slot per head.
+        Exactly one input:
+
+        - ``probs`` float32 [num_seqs, num_q_heads, >= budget + 1]: softmax weights per slot;
+        - ``head_scores`` float32 [num_seqs, num_kv_heads, >= budget + 1]: increments you reduced;
+        - ``logits`` float32 [num_seqs, num_q_heads, >= budget + 1] with ``lse``
+          float32 [num_seqs, num_q_heads]: probability ``exp(logit * scale - lse)``;
+        - ``queries`` [num_seqs, num_q_heads, head_dim] (float32 or the cache's
+          dtype) with ``lse`` and ``cache``: the logits recomputed from the
+          cached keys. exact_greedy takes only this one.
+
+        ``base``: ``"natural"`` LSE (FlashAttention) or ``"base2"`` (FlashInfer).
+        Returns the freed slot per (sequence, head), int32 [num_seqs,
+        num_kv_heads], -1 where nothing was freed (written into ``out`` if given).
+        """
+        given = [n for n, x in (("probs", probs), ("head_scores", head_scores), ("logits", logits), ("queries", queries)) if x is not None]
+        if len(given) != 1:
+            raise _ext.InvalidArgument(
+                "kvevict.observe_evict: pass exactly one of 'probs', 'head_scores', 'logits', 'queries' "
+                f"(got {', '.join(given) or 'none'})"
+            )
+        active = self._active(active)
+        base_code = _base_code(base)
+        if queries is not None:
+            if cache is None or lse is None:
+                raise _ext.InvalidArgument("kvevict.observe_evict: argument 'queries' needs 'lse' and 'cache'")
+            if self._compiling():
+                return self._ops().observe_evict_queries(
+                    self.state, self.descriptor, queries, lse, float(scale), base_code,
+                    cache.k, cache.v, cache.page_table, cache._code, active,
+                )  # fmt: skip
+            victims = self._victims(out)
+            _ext.observe_evict_queries(
+                self._desc, for_ext(self.state), for_ext(queries), for_ext(lse), float(scale), base_code, cache._code,
+                cache._ext_k(), cache._ext_v(), for_ext(cache.page_table), for_ext(victims), for_ext(active),
+                self._stream(stream),
+            )  # fmt: skip
+            return victims
+        if logits is not None and lse is None:
+            raise _ext.InvalidArgument("kvevict.observe_evict: argument 'lse' is required with 'logits'")
+        if logits is None and lse is not None:
+            raise _ext.InvalidArgument("kvevict.observe_evict: argument 'lse' goes with 'logits' or 'queries'")
+        kind, x = (0, probs) if probs is not None else (1, head_scores) if head_scores is not None else (2, logits)
+        if self._compiling():
+            return self._ops().observe_evict(self.state, self.descriptor, kind, x, lse, float(scale), base_code, active)
+        victims = self._victims(out)
+        _ext.observe_evict(
+            self._desc, for_ext(self.state), kind, for_ext(x), for_ext(lse), float(scale), base_code, for_ext(victims),
+            for_ext(active), self._stream(stream),
+        )  # fmt: skip
+        return victims
+
+    def prefill(
+        self,
+        lengths: Any,
+        *,
+        cache: CacheView,
+        probs: Any = None,
+        column_sums: Any = None,
+        queries: Any = None,
+        lse: Any = None,
+        scale: float = 1.0,
+        base: LseBase = "natural",
+        max_length: Optional[int] = None,
+        active: Any = None,
+        stream: Any = None,
+    ) -> Any:
+        """Prompt compression of every active sequence in one call. Before it,
+        prompt ``b`` of ``lengths[b]`` tokens sits in slots ``[0, lengths[b])``
+        of ``cache`` (position ``p`` in slot ``p``) and the sequence holds no
+        token in the policy (fresh or reset). Scores (h2o) come from one of:
+
+        - ``probs`` float32 [num_seqs, num_q_heads, M, M]: the causal attention matrix;
+        - ``column_sums`` float32 [num_seqs, num_q_heads, M]: its column sums;
+        - ``queries`` [num_seqs, num_q_heads, M, head_dim] with ``lse``
+          [num_seqs, num_q_heads, M]: recomputed from the cached keys;
+
+        or none (recent_window, random). The kept ``min(L, budget)`` rows move,
+        in position order, to slots ``[0, kept)``. ``M = max_length`` (default:
+        the largest length; give it for CUDA lengths to avoid a sync).
+        Returns int32 [num_seqs]: trailing pages of a paged prompt no longer
+        needed. exact_greedy has no batched prefill.
+        """
+        given = [n for n, x in (("probs", probs), ("column_sums", column_sums), ("queries", queries)) if x is not None]
+        if len(given) > 1:
+            raise _ext.InvalidArgument(
+                f"kvevict.prefill: pass at most one of 'probs', 'column_sums', 'queries' (got {', '.join(given)})"
+            )
+        lengths = self._array(lengths, np.int32)
+        if max_length is None:
+            max_length = int(lengths.max()) if len(lengths) else 0
+        kind, x = (0, probs) if probs is not None else (1, column_sums) if column_sums is not None else (2, queries) if queries is not None else (3, None)
+        if kind == 2 and lse is None:
+            raise _ext.InvalidArgument("kvevict.prefill: argument 'lse' is required with 'queries'")
+        base_code = _base_code(base)
+        active = self._active(active)
+        if self._compiling():
+            return self._ops().prefill(
+                self.state, self.descriptor, lengths, int(max_length), kind, x, lse, float(scale), base_code,
+                cache.k, cache.v, cache.page_table, cache._code, active,
+            )  # fmt: skip
+        if self._cuda:
+            from . import ops
+
+            return ops.prefill(
+                self.state, self.descriptor, lengths, int(max_length), kind, x, lse, float(scale), base_code,
+                cache.k, cache.v, cache.page_table, cache._code, active,
+            )  # fmt: skip
+        reclaimable = self._new_int32((self.num_seqs,), 0)
+        _ext.prefill(
+            self._desc, for_ext(self.state), for_ext(lengths), int(max_length), kind, for_ext(x), for_ext(lse),
+            float(scale), base_code, cache._code, cache._ext_k(), cache._ext_v(), for_ext(cache.page_table),
+            for_ext(reclaimable), for_ext(active), None, 0,
+        )  # fmt: skip
+        return reclaimable
+
+    def append_tokens(self, tokens: int, active: Any = None, stream: Any = None) -> None:
+        """Appends ``tokens`` positions to every active sequence at once
+        (chunked prefill, speculative decoding): token ``j`` of head (b, h) goes
+        to its next slot for ``j = 0`` (when there is one), then to slots
+        ``count, count + 1, ...``; the caller writes their rows. Needs
+        ``count + tokens <= capacity``. Then observe_evict, then :meth:`evict_to`."""
+        active = self._active(active)
+        if self._compiling():
+            return self._ops().append_tokens(self.state, self.descriptor, int(tokens), active)
+        _ext.append_tokens(self._desc, for_ext(self.state), int(tokens), for_ext(active), self._stream(stream))
+
+    def evict_to(
+        self,
+        target: int,
+        *,
+        cache: Optional[CacheView] = None,
+        queries: Any = None,
+        lse: Any = None,
+        scale: float = 1.0,
+        base: LseBase = "natural",
+        active: Any = None,
+        stream: Any = None,
+    ) -> Any:
+        """Frees every token above ``target`` of each active (sequence, head)
+        at once, by the policy's order, after observe_evict; the kept rows are
+        compacted in ``cache`` so the occupied slots are again
+        ``[0, target + 1)`` but one hole (the next slot). exact_greedy also
+        takes the step's ``queries`` and ``lse`` (it re-scores before each
+        victim). Returns int32 [num_seqs, num_kv_heads]: tokens freed.
+
+        Without ``cache`` the rows are not moved: returns ``(moves,
+        move_counts)``, moves int32 [num_seqs, num_kv_heads, capacity, 2] of
+        (from slot, to slot), the first ``move_counts[b, h]`` valid, for the
+        caller to apply."""
+        active = self._active(active)
+        base_code = _base_code(base)
+        if (queries is None) != (lse is None):
+            raise _ext.InvalidArgument("kvevict.evict_to: argument 'queries' and 'lse' go together")
+        if cache is None:
+            if queries is not None:
+                raise _ext.InvalidArgument(
+                    "kvevict.evict_to: exact_greedy's evict_to needs 'cache' (it reads the keys and values)"
+                )
+            if self._compiling():
+                return self._ops().evict_to_moves(self.state, self.descriptor, int(target), active)
+            B, H, C = self.num_seqs, self.num_kv_heads, self.capacity
+            moves = self._new_int32((B, H, C, 2), -1)
+            counts = self._new_int32((B, H), 0)
+            _ext.evict_to_moves(
+                self._desc, for_ext(self.state), int(target), for_ext(moves), for_ext(counts), for_ext(active),
+                self._stream(stream),
+            )  # fmt: skip
+            return moves, counts
+        if self._compiling():
+            return self._ops().evict_to(
+                self.state, self.descriptor, int(target), cache.k, cache.v, cache.page_table, cache._code,
+                queries, lse, float(scale), base_code, active,
+            )  # fmt: skip
+        freed = self._new_int32((self.num_seqs, self.num_kv_heads), 0)
+        _ext.evict_to(
+            self._desc, for_ext(self.state), int(target), cache._code, cache._ext_k(), cache._ext_v(),
+            for_ext(cache.page_table), for_ext(queries), for_ext(lse), float(scale), base_code, for_ext(freed),
+            for_ext(active), self._stream(stream),
+        )  # fmt: skip
+        return freed
+
+    # ---- helpers ----------------------------------------------------------------
+
+    def _compiling(self) -> bool:
+        # Under torch.compile the calls go through the torch.ops.kvevict
+        # custom ops (which have fake kernels); eagerly they call the
+        # extension directly, which costs less per call.
+        torch = self._torch
+        return torch is not None and torch.compiler.is_compiling()
+
+    def _ops(self) -> Any:
+        from . import ops
+
+        return ops
+
+    def _stream(self, stream: Any) -> int:
+        if not self._cuda:
+            return 0
+        if stream is None:
+            return self._torch.cuda.current_stream(self.device).cuda_stream
+        return int(getattr(stream, "cuda_stream", stream))
+
+    def _array(self, x: Any, dtype: Any) -> Any:
+        """Lists become arrays of the state's kind and device; arrays pass
+        through unchanged (the extension checks their dtype)."""
+        if x is None or is_torch(x) or isinstance(x, np.ndarray):
+            return x
+        if self._torch is None:
+            return np.asarray(x, dtype=dtype)
+        # torch has no general uint64: request streams go as int64 (below 2^63).
+        tdt = self._torch.int32 if dtype is np.int32 else self._torch.int64
+        return self._torch.as_tensor(x, dtype=tdt, device=self.device)
+
+    def _active(self, active: Any) -> Any:
+        if active is None or is_torch(active) or isinstance(active, np.ndarray):
+            return active
+        return self._array(list(active), np.int32)
+
+    def _new_int32(self, shape: Tuple[int, ...], fill: int) -> Any:
+        if self._torch is None:
+            return np.full(shape, fill, dtype=np.int32)
+        return self._torch.full(shape, fill, dtype=self._torch.int32, device=self.device)
+
+    def _victims(self, out: Any) -> Any:
+        if out is not None:
+            return out
+        return self._new_int32((self.num_seqs, self.num_kv_heads), -1)
+
+    def __repr__(self) -> str:
+        return (
+            f"BatchedPolicy({self.config}, num_seqs={self.num_seqs}, num_kv_heads={self.num_kv_heads}, "
+            f"num_q_heads={self.num_q_heads}, capacity={self.capacity}, device={str(self.device)!r})"
+        )

