@@ -15,13 +15,13 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "kvevict/batch/status.hpp"
 #include "kvevict/config.hpp"
 #include "kvevict/detail/reproducible_math.hpp"
 #include "kvevict/dtype/convert.hpp"
 #include "kvevict/order.hpp"
 #include "kvevict/philox.hpp"
 #include "kvevict/score_inputs.hpp"
+#include "kvevict/status_code.hpp"
 
 namespace kvevict {
 
