@@ -37,7 +37,7 @@ void for_each_active(const batch_state_view& st, const active_set& active, std::
   const std::int32_t entries = active.entries(st.num_seqs());
   for (std::int32_t i = 0; i < entries; ++i) {
     const std::int32_t b = active.sequence(i, st.num_seqs());
-    if (b == -2) record_status(status, pack_status(i, 0, 0, batch_code::bad_sequence));
+    if (b == -2) record_status(status, pack_bad_entry(i, active.list[i]));
     if (b >= 0) f(b);
   }
 }

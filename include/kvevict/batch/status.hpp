@@ -17,18 +17,25 @@
 
 namespace kvevict {
 
-/// An unpacked status word.
+/// An unpacked status word. For bad_sequence there is no sequence: `entry`
+/// is the active-list position and `index` the value it holds.
 struct batch_status {
   batch_code code = batch_code::ok;
   std::int32_t sequence = -1, head = -1, index = -1;
+  std::int32_t entry = -1;  ///< the active-list position, for the codes about a list entry
 
   static batch_status unpack(std::uint64_t word) noexcept {
     batch_status s;
     if (word == batch_status_clear) return s;
     s.code = static_cast<batch_code>(word & 0x3Fu);
-    s.index = static_cast<std::int32_t>((word >> 6) & 0x3FFFFFFu);
+    const std::int32_t raw = static_cast<std::int32_t>((word >> 6) & 0x3FFFFFFu);
+    s.index = raw >= (1 << 25) ? raw - (1 << 26) : raw;  // 26-bit two's complement
     s.head = static_cast<std::int32_t>((word >> 32) & 0xFFFu);
     s.sequence = static_cast<std::int32_t>(word >> 44);
+    if (s.code == batch_code::bad_sequence) {
+      s.entry = s.sequence;
+      s.sequence = s.head = -1;
+    }
     return s;
   }
   bool ok() const noexcept { return code == batch_code::ok; }
@@ -62,16 +69,50 @@ inline const char* describe(batch_code code) noexcept {
   return "unknown status code";
 }
 
+namespace detail {
+
+/// What the index of a status word with `code` counts ("" where it is 0).
+inline const char* status_index_meaning(batch_code code) noexcept {
+  switch (code) {
+    case batch_code::non_finite_lse:
+    case batch_code::non_finite_query: return "the query head";
+    case batch_code::bad_length: return "the prompt length";
+    case batch_code::over_capacity: return "the tokens appended";
+    case batch_code::narrow_input: return "the tokens the head holds";
+    case batch_code::bad_count: return "the segment";
+    case batch_code::bad_stream: return "the active-list entry";
+    case batch_code::nan_input:
+    case batch_code::infinite_input:
+    case batch_code::negative_probability:
+    case batch_code::score_overflow:
+    case batch_code::bad_page:
+    case batch_code::non_finite_kv: return "the slot";
+    default: return "";
+  }
+}
+
+/// Where a status word points, in words: the list entry, or the sequence,
+/// head and index (with what the index counts).
+inline std::string status_place(const batch_status& s) {
+  if (s.code == batch_code::bad_sequence)
+    return concat("active-list entry ", s.entry, " is ", s.index, ": ", describe(s.code),
+                  " (that entry stepped nothing)");
+  const char* meaning = status_index_meaning(s.code);
+  return concat("at sequence ", s.sequence, ", head ", s.head, ", index ", s.index,
+                *meaning ? concat(" (", meaning, ")") : std::string(), ": ", describe(s.code),
+                " (that head was left unchanged)");
+}
+
+}  // namespace detail
+
 /// Throws the library's exception for a status word that is not clear:
 /// non_finite_error, invalid_argument, out_of_range or state_error, naming
-/// the call, the sequence, head and index.
+/// the call, the sequence, head and index (or the active-list entry).
 inline void throw_if_error(std::uint64_t word, const char* call = "batched call") {
   const batch_status s = batch_status::unpack(word);
   if (s.ok()) return;
   const detail::site where{"batch", call};
-  const std::string at =
-      detail::concat("at sequence ", s.sequence, ", head ", s.head, ", index ", s.index, ": ", describe(s.code),
-                     " (that head was left unchanged)");
+  const std::string at = detail::status_place(s);
   switch (s.code) {
     case batch_code::nan_input:
     case batch_code::infinite_input:
