@@ -102,3 +102,82 @@ TEST_CASE("status word: a bad prompt length is reported as the length, a bad lis
     CHECK(n.index == -4);
   }
 }
+
+TEST_CASE("active list: a repeated sequence index steps nothing and is reported, on every batched call") {
+  // 3 sequences x 2 heads, h2o budget 3 (1 heavy + 2 recent), capacity 6.
+  layer<h2o_policy> l(policy_shape{3, 2, 2, 6}, h2o_config{1, 2});
+  auto cache = make_bhsd_cache<float>(3, 2, 6, 2);
+  const std::vector<float> k(3 * 2 * 2, 1.0f), v(3 * 2 * 2, 2.0f), probs(3 * 2 * 6, 0.125f);
+  const batch_rows<float> k_new{make_tensor_view<const float>(k.data(), 3, 2, 2)};
+  const batch_rows<float> v_new{make_tensor_view<const float>(v.data(), 3, 2, 2)};
+  const batch_probs in{make_tensor_view<const float>(probs.data(), 3, 2, 6)};
+  const std::int32_t twice[2] = {1, 1}, mixed[3] = {0, 2, 0};
+  const auto refused = [&](std::int32_t sequence, std::int32_t position) {
+    const batch_status s = l.take_status();
+    CHECK(s.code == batch_code::repeated_sequence);
+    CHECK(s.sequence == sequence);
+    CHECK(s.index == position);  // the first entry that repeats an earlier one
+    CHECK(s.entry == position);
+  };
+  SUBCASE("append, with and without the scatter, and append_tokens: the sequence does not grow at all") {
+    std::vector<unsigned char> before = l.memory;
+    const std::vector<float> k_before = cache.k_storage();
+    batched_append(l.st, active_set::of_list(twice, 2), cache.view(), k_new, v_new, &l.status);
+    CHECK(l.memory == before);  // not two tokens, not one
+    CHECK(cache.k_storage() == k_before);
+    refused(1, 1);
+    batched_append(l.st, active_set::of_list(twice, 2), &l.status);
+    CHECK(l.memory == before);
+    refused(1, 1);
+    batched_append_tokens(l.st, active_set::of_list(twice, 2), 2, &l.status);
+    CHECK(l.memory == before);  // not four tokens
+    refused(1, 1);
+    batched_append(l.st, active_set::of_list(mixed, 3), &l.status);  // sequence 2 steps, 0 does not
+    CHECK(l.st.slots.lengths[0] == 0);
+    CHECK(l.st.slots.lengths[1] == 0);
+    CHECK(l.st.slots.lengths[2] == 1);
+    refused(0, 2);
+    CHECK_THROWS_AS(throw_if_error(pack_status(0, 0, 2, batch_code::repeated_sequence)), invalid_argument);
+  }
+  SUBCASE("observe + evict and evict_to leave the sequence as it was, without a misleading second-visit code") {
+    for (int step = 0; step < 2; ++step) {
+      batched_append(l.st, active_set::all(), &l.status);
+      batched_observe_evict(l.st, active_set::all(), in, nullptr, &l.status);
+    }
+    batched_append(l.st, active_set::all(), &l.status);
+    REQUIRE(l.status == batch_status_clear);
+    const std::vector<unsigned char> before = l.memory;
+    batched_observe_evict(l.st, active_set::of_list(twice, 2), in, nullptr, &l.status);
+    CHECK(l.memory == before);
+    refused(1, 1);  // not not_appended: the first visit did not step either
+    batched_observe_evict(l.st, active_set::all(), in, nullptr, &l.status);
+    REQUIRE(l.status == batch_status_clear);
+    const std::vector<unsigned char> observed = l.memory;
+    REQUIRE(l.st.slots.counts[l.st.head_index(1, 0)] == 3);  // above the target: evict_to would change it
+    batched_evict_to(l.st, active_set::of_list(twice, 2), 2, cache.view(), nullptr, &l.status);
+    CHECK(l.memory == observed);
+    refused(1, 1);
+  }
+  SUBCASE("prefill of a repeated sequence does not run (the second visit would say not_empty)") {
+    layer<recent_window_policy> w(policy_shape{3, 2, 2, 6}, recent_window_config{1, 2});
+    const std::int32_t lengths[3] = {5, 5, 5};
+    const std::vector<unsigned char> before = w.memory;
+    batched_prefill(w.st, active_set::of_list(twice, 2), prompt_lengths{lengths, 6}, cache.view(), nullptr,
+                    &w.status);
+    CHECK(w.memory == before);
+    const batch_status s = w.take_status();
+    CHECK(s.code == batch_code::repeated_sequence);
+    CHECK(s.sequence == 1);
+  }
+  SUBCASE("reset, which has no status word, throws naming the entry") {
+    const std::vector<unsigned char> before = l.memory;
+    const std::uint64_t streams[2] = {5, 7};
+    try {
+      reset_batch_sequences(l.st, active_set::of_list(twice, 2), streams);
+      FAIL("a repeated entry was accepted");
+    } catch (const invalid_argument& e) {
+      CHECK(std::string(e.what()).find("'active.list[1]'") != std::string::npos);
+    }
+    CHECK(l.memory == before);
+  }
+}

@@ -39,6 +39,7 @@ enum class batch_code : std::uint32_t {
   over_capacity = 18,        ///< appending `index` tokens would exceed the capacity
   not_observed = 19,         ///< evict_to after an append with no observe + evict since
   narrow_input = 20,         ///< the input has fewer columns than the head holds tokens (`index`)
+  repeated_sequence = 21,    ///< active-list entry `index` names a sequence an earlier entry names
 };
 
 /// The value of a clear status word.

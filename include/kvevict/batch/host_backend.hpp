@@ -31,14 +31,14 @@ inline void record_status(std::uint64_t* status, std::uint64_t word) noexcept {
 }
 
 /// Calls f(b) for every active sequence; reports list entries that are not
-/// sequence indices.
+/// sequence indices, or that repeat a sequence (check_entry).
 template <class F>
 void for_each_active(const batch_state_view& st, const active_set& active, std::uint64_t* status, F f) {
   const std::int32_t entries = active.entries(st.num_seqs());
   for (std::int32_t i = 0; i < entries; ++i) {
-    const std::int32_t b = active.sequence(i, st.num_seqs());
-    if (b == -2) record_status(status, pack_bad_entry(i, active.list[i]));
-    if (b >= 0) f(b);
+    const checked_entry e = check_entry(active, i, st.num_seqs());
+    record_status(status, e.word);
+    if (e.sequence >= 0) f(e.sequence);
   }
 }
 
@@ -225,6 +225,9 @@ inline void reset_batch_sequences(const batch_state_view& st, const active_set& 
     const std::int32_t b = active.sequence(i, st.num_seqs());
     if (b == -2) detail::fail<out_of_range>(w, detail::concat("active.list[", i, "]"), "= ", active.list[i],
                                             " is outside [0, num_seqs = ", st.num_seqs(), ")");
+    if (detail::check_entry(active, i, st.num_seqs()).word != batch_status_clear)
+      detail::fail<invalid_argument>(w, detail::concat("active.list[", i, "]"), "= ", b,
+                                     " repeats an earlier entry: a list names each sequence once");
     if (b >= 0 && streams && streams[i] > max_random_stream)
       detail::fail<out_of_range>(w, detail::concat("streams[", i, "]"), "= ", streams[i], " exceeds max_random_stream");
   }

@@ -18,7 +18,8 @@
 namespace kvevict {
 
 /// An unpacked status word. For bad_sequence there is no sequence: `entry`
-/// is the active-list position and `index` the value it holds.
+/// is the active-list position and `index` the value it holds; for
+/// repeated_sequence `entry` and `index` are the position of the repeat.
 struct batch_status {
   batch_code code = batch_code::ok;
   std::int32_t sequence = -1, head = -1, index = -1;
@@ -36,6 +37,7 @@ struct batch_status {
       s.entry = s.sequence;
       s.sequence = s.head = -1;
     }
+    if (s.code == batch_code::repeated_sequence) s.entry = s.index;
     return s;
   }
   bool ok() const noexcept { return code == batch_code::ok; }
@@ -65,6 +67,8 @@ inline const char* describe(batch_code code) noexcept {
     case batch_code::not_observed: return "evict_to after an append that was not observed";
     case batch_code::narrow_input:
       return "the input has fewer columns than the head holds tokens (after a multi-token append)";
+    case batch_code::repeated_sequence:
+      return "the active list names this sequence more than once; no entry naming it stepped";
   }
   return "unknown status code";
 }
@@ -97,6 +101,9 @@ inline std::string status_place(const batch_status& s) {
   if (s.code == batch_code::bad_sequence)
     return concat("active-list entry ", s.entry, " is ", s.index, ": ", describe(s.code),
                   " (that entry stepped nothing)");
+  if (s.code == batch_code::repeated_sequence)
+    return concat("at sequence ", s.sequence, ", active-list entry ", s.entry, ": ", describe(s.code),
+                  " (that sequence was left unchanged)");
   const char* meaning = status_index_meaning(s.code);
   return concat("at sequence ", s.sequence, ", head ", s.head, ", index ", s.index,
                 *meaning ? concat(" (", meaning, ")") : std::string(), ": ", describe(s.code),
@@ -132,6 +139,7 @@ inline void throw_if_error(std::uint64_t word, const char* call = "batched call"
     case batch_code::history_full:
     case batch_code::history_gap:
     case batch_code::not_appended: detail::fail_state<state_error>(where, at);
+    case batch_code::repeated_sequence:
     default: detail::fail_state<invalid_argument>(where, at);
   }
 }
