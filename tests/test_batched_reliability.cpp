@@ -181,3 +181,45 @@ TEST_CASE("active list: a repeated sequence index steps nothing and is reported,
     CHECK(l.memory == before);
   }
 }
+
+TEST_CASE("state view: a null victim_scratch is refused where the call would write through it") {
+  std::vector<float> probs(2 * 1 * 4, 0.25f);
+  const batch_probs in{make_tensor_view<const float>(probs.data(), 2, 1, 4)};
+  const auto refused = [](auto call, const std::vector<unsigned char>& memory) {
+    const std::vector<unsigned char> before = memory;
+    try {
+      call();
+      FAIL("a null state.victim_scratch was accepted");
+    } catch (const invalid_argument& e) {
+      CHECK(std::string(e.what()).find("'state.victim_scratch'") != std::string::npos);
+    }
+    CHECK(memory == before);
+  };
+  SUBCASE("random's observe + evict picks its victim among candidates listed there") {
+    layer<random_policy> l(policy_shape{2, 1, 1, 4}, random_config{2, 0, 0, 9});
+    for (int step = 0; step < 3; ++step) {
+      batched_append(l.st, active_set::all(), &l.status);
+      if (step < 2) batched_observe_evict(l.st, active_set::all(), in, nullptr, &l.status);
+    }
+    REQUIRE(l.status == batch_status_clear);
+    batch_state_view edited = l.st;
+    edited.victim_scratch = nullptr;
+    refused([&] { batched_observe_evict(edited, active_set::all(), in, nullptr, &l.status); }, l.memory);
+  }
+  SUBCASE("evict_to of every policy refills its holes through it") {
+    layer<h2o_policy> l(policy_shape{2, 1, 1, 4}, h2o_config{1, 1});
+    auto cache = make_bhsd_cache<float>(2, 1, 4, 2);
+    for (int step = 0; step < 2; ++step) {
+      batched_append(l.st, active_set::all(), &l.status);
+      batched_observe_evict(l.st, active_set::all(), in, nullptr, &l.status);
+    }
+    REQUIRE(l.status == batch_status_clear);
+    batch_state_view edited = l.st;
+    edited.victim_scratch = nullptr;
+    std::vector<slot_move> moves(2 * 4);
+    std::vector<std::int32_t> counts(2);
+    refused([&] { batched_evict_to(edited, active_set::all(), 1, cache.view(), nullptr, &l.status); }, l.memory);
+    refused([&] { batched_evict_to(edited, active_set::all(), 1, moves.data(), counts.data(), &l.status); },
+            l.memory);
+  }
+}

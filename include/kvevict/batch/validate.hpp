@@ -32,7 +32,10 @@ inline void require_state(const site& w, const batch_state_view& st) {
                            st.slots.num_heads);
   if (st.rule.budget < 1 || st.slots.capacity < std::int64_t{st.rule.budget} + 1)
     fail<budget_error>(w, "state.rule.budget", "= ", st.rule.budget, " does not fit capacity ", st.slots.capacity);
-  if (st.rule.victim == victim_rule::random_rank) require_not_null(w, "state.streams", st.streams);
+  if (st.rule.victim == victim_rule::random_rank) {
+    require_not_null(w, "state.streams", st.streams);
+    require_not_null(w, "state.victim_scratch", st.victim_scratch);  // observe lists its candidates there
+  }
 }
 
 inline void require_history(const site& w, const batch_state_view& st) {
