@@ -223,3 +223,49 @@ TEST_CASE("state view: a null victim_scratch is refused where the call would wri
             l.memory);
   }
 }
+
+TEST_CASE("input views: negative strides, a zero stride where the extent is above 1 and overflowing strides are refused") {
+  layer<h2o_policy> l(policy_shape{2, 1, 1, 4}, h2o_config{1, 2});
+  batched_append(l.st, active_set::all(), &l.status);
+  std::vector<float> probs(2 * 1 * 4, 0.25f);
+  const std::vector<unsigned char> before = l.memory;
+  const auto refused = [&](const tensor_view<const float, 3>& view, const char* arg) {
+    CAPTURE(arg);
+    try {
+      batched_observe_evict(l.st, active_set::all(), batch_probs{view}, nullptr, &l.status);
+      FAIL("the view was accepted");
+    } catch (const invalid_argument& e) {
+      CHECK(std::string(e.what()).find(arg) != std::string::npos);
+    }
+    CHECK(l.memory == before);
+    CHECK(l.status == batch_status_clear);
+  };
+  // The buffer holds sequence 1 first: a negative sequence stride reads sequence 0 before it.
+  refused(make_strided_view<const float, 3>(probs.data() + 4, {2, 1, 4}, {-4, 4, 1}), "'probs.strides[0]'");
+  refused(make_strided_view<const float, 3>(probs.data(), {2, 1, 4}, {4, 4, 0}), "'probs.strides[2]'");
+  refused(make_strided_view<const float, 3>(probs.data(), {2, 1, 4}, {std::int64_t{1} << 62, 4, 1}),
+          "'probs.strides[0]'");
+  refused(make_strided_view<const float, 3>(probs.data(), {2, 1, 4}, {4, 4, std::numeric_limits<std::int64_t>::min()}),
+          "'probs.strides[2]'");
+  // A dimension of extent 1 may have any non-negative stride (it is never stepped).
+  batched_observe_evict(l.st, active_set::all(),
+                        batch_probs{make_strided_view<const float, 3>(probs.data(), {2, 1, 4}, {4, 0, 1})}, nullptr,
+                        &l.status);
+  CHECK(l.status == batch_status_clear);
+
+  SUBCASE("the K/V rows of append and the per-sequence inputs are checked by the same rule") {
+    auto cache = make_bhsd_cache<float>(2, 1, 4, 2);
+    const std::vector<float> rows(2 * 2, 1.0f);
+    const batch_rows<float> good{make_tensor_view<const float>(rows.data(), 2, 1, 2)};
+    const batch_rows<float> backwards{make_strided_view<const float, 3>(rows.data() + 2, {2, 1, 2}, {-2, 2, 1})};
+    const std::vector<unsigned char> appended = l.memory;
+    CHECK_THROWS_AS(batched_append(l.st, active_set::all(), cache.view(), backwards, good, &l.status),
+                    invalid_argument);
+    CHECK(l.memory == appended);
+    h2o_policy p(policy_shape{1, 1, 1, 4}, h2o_config{1, 2});
+    p.append(0);
+    const decode_probs negative{make_strided_view<const float, 2>(probs.data() + 3, {1, 4}, {4, -1})};
+    CHECK_THROWS_WITH_AS(p.observe(0, negative), doctest::Contains("'probs.strides[1]'"), invalid_argument);
+    p.observe(0, decode_probs{make_tensor_view<const float>(probs.data(), 1, 4)});  // still due: nothing changed
+  }
+}

@@ -7,6 +7,7 @@
 // has been checked, which is how observe/prefill keep the strong guarantee.
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 
 #include "kvevict/dtype/convert.hpp"
@@ -78,6 +79,31 @@ void reduce_groups(const Where& where, const char* arg, const group_info& g, std
   }
 }
 
+/// Strides that step through memory, as a kv_view layout's must: none
+/// negative (it would read before the data pointer), none 0 on a dimension
+/// of extent above 1 (its elements would alias), and the last element's
+/// offset within PTRDIFF_MAX bytes. That the buffer holds that many
+/// elements cannot be checked.
+template <class Where, class V>
+void require_strides(const Where& where, const char* arg, const V& view) {
+  constexpr std::int64_t limit = PTRDIFF_MAX / std::int64_t{sizeof(typename V::element_type)};
+  std::int64_t reach = 0;  // the last element's offset, in elements
+  for (int d = 0; d < V::rank; ++d) {
+    const std::int64_t stride = view.strides[d], steps = std::int64_t{view.extents[d]} - 1;
+    if (stride < 0) fail<invalid_argument>(where, concat(arg, ".strides[", d, "]"), "= ", stride, " is negative");
+    if (steps <= 0) continue;
+    if (stride == 0)
+      fail<invalid_argument>(where, concat(arg, ".strides[", d, "]"), "= 0 on a dimension of extent ",
+                             view.extents[d], " (its elements would alias)");
+    if (stride > (limit - reach) / steps)
+      fail<invalid_argument>(where, concat(arg, ".strides[", d, "]"), "= ", stride, " over extent ",
+                             view.extents[d], " puts elements beyond the address range");
+    reach += stride * steps;
+  }
+}
+
+/// A data pointer, the extents expected (exactly, or at least where
+/// at_least[d]) and strides as require_strides wants.
 template <class Where, class V>
 void require_extents(const Where& where, const char* arg, const V& view, const std::int32_t* expected,
                      const bool* at_least) {
@@ -88,6 +114,7 @@ void require_extents(const Where& where, const char* arg, const V& view, const s
       fail<invalid_argument>(where, concat(arg, ".extents[", d, "]"), "= ", view.extents[d], ", expected ",
                              at_least[d] ? "at least " : "", expected[d]);
   }
+  require_strides(where, arg, view);
 }
 
 template <class Where, class Q>
