@@ -269,3 +269,58 @@ TEST_CASE("input views: negative strides, a zero stride where the extent is abov
     p.observe(0, decode_probs{make_tensor_view<const float>(probs.data(), 1, 4)});  // still due: nothing changed
   }
 }
+
+TEST_CASE("state view: out-of-range enum values and protections are refused where they enter, not read as a default") {
+  layer<h2o_policy> l(policy_shape{1, 1, 1, 4}, h2o_config{1, 2});
+  batched_append(l.st, active_set::all(), &l.status);
+  const std::vector<float> probs(4, 0.25f);
+  const batch_probs in{make_tensor_view<const float>(probs.data(), 1, 1, 4)};
+  const std::vector<unsigned char> before = l.memory;
+  const auto refused = [&](const batch_state_view& edited, const char* arg) {
+    CAPTURE(arg);
+    try {
+      batched_observe_evict(edited, active_set::all(), in, nullptr, &l.status);
+      FAIL("the edited state view was accepted");
+    } catch (const invalid_argument& e) {
+      CHECK(std::string(e.what()).find(arg) != std::string::npos);
+    }
+    CHECK_THROWS_AS(batched_append(edited, active_set::all(), &l.status), invalid_argument);
+    CHECK(l.memory == before);
+  };
+  batch_state_view edited = l.st;
+  edited.rule.reduce = static_cast<group_reduce>(9);  // folded as sum before
+  refused(edited, "'state.rule.reduce'");
+  edited = l.st;
+  edited.rule.victim = static_cast<victim_rule>(7);  // "oldest" on one path, "lowest score" on another
+  refused(edited, "'state.rule.victim'");
+  edited = l.st;
+  edited.rule.protect.sinks = -1;
+  refused(edited, "'state.rule.protect.sinks'");
+  edited = l.st;
+  edited.rule.protect.recent = -2;
+  refused(edited, "'state.rule.protect.recent'");
+  edited = l.st;
+  edited.rule.protect = {2, 2};  // more protected than the budget of 3 keeps
+  refused(edited, "'state.rule.protect'");
+
+  SUBCASE("segmented_select's end") {
+    const float scores[4] = {3, 1, 2, 0};
+    segment_set keys;
+    keys.scores = scores;
+    keys.stride = 4;
+    keys.max_length = 4;
+    keys.num_segments = 1;
+    std::int32_t indices[2] = {-7, -7};
+    selection_output out;
+    out.indices = indices;
+    out.index_stride = 2;
+    CHECK_THROWS_WITH_AS(segmented_select(keys, static_cast<select_end>(5), selection_count{2, nullptr}, out),
+                         doctest::Contains("'end'"), invalid_argument);
+    CHECK(indices[0] == -7);
+    std::vector<unsigned char> workspace(segmented_select_workspace_bytes(keys));
+    CHECK_THROWS_AS(segmented_select(workspace.data(), workspace.size(), keys, static_cast<select_end>(5),
+                                     selection_count{2, nullptr}, out),
+                    invalid_argument);
+    CHECK(indices[0] == -7);
+  }
+}
