@@ -324,3 +324,44 @@ TEST_CASE("state view: out-of-range enum values and protections are refused wher
     CHECK(indices[0] == -7);
   }
 }
+
+TEST_CASE("segmented_select: strides whose last segment's offset does not fit are refused") {
+  // Stride 2^62 floats: segment 1's offset wraps to segment 0's keys.
+  const float scores[8] = {3, 1, 2, 0, 5, 4, 7, 6};
+  segment_set keys;
+  keys.scores = scores;
+  keys.stride = std::int64_t{1} << 62;
+  keys.max_length = 4;
+  keys.num_segments = 2;
+  std::int32_t indices[4] = {-7, -7, -7, -7};
+  std::uint8_t mask[8] = {};
+  selection_output out;
+  out.indices = indices;
+  out.index_stride = 2;
+  const selection_count two{2, nullptr};
+  CHECK_THROWS_WITH_AS(segmented_select(keys, select_end::top, two, out), doctest::Contains("'keys.stride'"),
+                       invalid_argument);
+  CHECK(indices[0] == -7);
+  keys.stride = 4;
+  out.index_stride = std::int64_t{1} << 62;
+  CHECK_THROWS_WITH_AS(segmented_select(keys, select_end::top, two, out), doctest::Contains("'out.index_stride'"),
+                       invalid_argument);
+  out.index_stride = 2;
+  out.mask = mask;
+  out.mask_stride = std::numeric_limits<std::int64_t>::max();
+  CHECK_THROWS_WITH_AS(segmented_select(keys, select_end::top, two, out), doctest::Contains("'out.mask_stride'"),
+                       invalid_argument);
+  // A negative index stride is refused even when nothing is selected.
+  out.mask = nullptr;
+  out.index_stride = -3;
+  CHECK_THROWS_WITH_AS(segmented_select(keys, select_end::top, selection_count{0, nullptr}, out),
+                       doctest::Contains("'out.index_stride'"), invalid_argument);
+  CHECK(indices[0] == -7);
+  // One segment: no offset beyond the first, any stride >= max_length fits.
+  keys.num_segments = 1;
+  keys.stride = std::int64_t{1} << 62;
+  out.index_stride = 2;
+  segmented_select(keys, select_end::top, two, out);
+  CHECK(indices[0] == 0);
+  CHECK(indices[1] == 2);
+}

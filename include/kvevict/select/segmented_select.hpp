@@ -375,6 +375,7 @@ void validate_select(const Where& where, const segment_set& keys, select_end end
   if (out.mask && out.mask_stride < keys.max_length)
     fail<invalid_argument>(where, "out.mask_stride", "= ", out.mask_stride, " is below keys.max_length = ",
                            keys.max_length);
+  require_select_strides(where, keys, largest_k, out);
 }
 
 }  // namespace detail
