@@ -344,7 +344,8 @@ TEST_CASE("batched status: retrying a refused head with corrected input equals a
       CHECK_THROWS_AS(failed.check(), non_finite_error);
       probs[std::size_t((1 * H + 0) * cap + 1)] = good;
       failed.observe_evict(batch_probs{view}, active_set::of_list(&one, 1));
-      CHECK(batch_status::unpack(failed.status_word()).code == batch_code::not_appended);  // (1, 1) had stepped
+      // (1, 1) had stepped: a call that is not a retry (as_retry) reports that
+      CHECK(batch_status::unpack(failed.status_word()).code == batch_code::not_appended);
       CHECK_THROWS_AS(failed.check(), state_error);
     } else {
       failed.observe_evict(batch_probs{view});

@@ -365,3 +365,77 @@ TEST_CASE("segmented_select: strides whose last segment's offset does not fit ar
   CHECK(indices[0] == 0);
   CHECK(indices[1] == 2);
 }
+
+TEST_CASE("the documented retry after a refused head ends with a clear status and a clean run's state") {
+  // docs/integration.md, "After a bad input": (1, 0) gets a NaN; the retry
+  // with the corrected input for the sequence completes the step of the
+  // refused head alone: the heads that stepped are skipped, not reported.
+  const std::int32_t B = 3, H = 2, cap = 5;
+  for (const bool retry_all : {false, true}) {
+    CAPTURE(retry_all);
+    batched_policy<h2o_policy> failed(policy_shape{B, H, H, cap}, h2o_config{2, 2});
+    batched_policy<h2o_policy> clean(policy_shape{B, H, H, cap}, h2o_config{2, 2});
+    std::vector<float> probs(std::size_t(B) * H * cap);
+    const auto view = make_tensor_view<const float>(probs.data(), B, H, cap);
+    const std::int32_t one = 1;
+    for (int step = 0; step < 12; ++step) {
+      CAPTURE(step);
+      for (std::size_t i = 0; i < probs.size(); ++i) probs[i] = float((i * 7 + std::size_t(step) * 3) % 11) / 16.0f;
+      failed.append();
+      clean.append();
+      std::vector<std::int32_t> want(std::size_t(B) * H, -9), got(want.size(), -9);
+      clean.observe_evict(batch_probs{view}, active_set::all(), want.data());
+      if (step == 6) {
+        const std::size_t bad = std::size_t((1 * H + 0) * cap + 1);
+        const float good = probs[bad];
+        probs[bad] = std::nanf("");
+        failed.observe_evict(batch_probs{view}, active_set::all(), got.data());
+        CHECK_THROWS_AS(failed.check(), non_finite_error);
+        probs[bad] = good;
+        const active_set retry = retry_all ? active_set::all().as_retry() : active_set::of_list(&one, 1).as_retry();
+        failed.observe_evict(batch_probs{view}, retry, got.data());
+        CHECK(failed.status_word() == batch_status_clear);  // (1, 1) had stepped: skipped, not not_appended
+      } else {
+        failed.observe_evict(batch_probs{view}, active_set::all(), got.data());
+      }
+      CHECK_NOTHROW(failed.check());
+      CHECK(got == want);  // a skipped head keeps the victim the first call reported
+      const batch_state_view& f = failed.state();
+      const batch_state_view& c = clean.state();
+      for (std::int32_t b = 0; b < B; ++b)
+        for (std::int32_t h = 0; h < H; ++h)
+          for (std::int32_t s = 0; s < cap; ++s) {
+            REQUIRE(f.slots.positions_of(b, h)[s] == c.slots.positions_of(b, h)[s]);
+            if (f.slots.positions_of(b, h)[s] >= 0)
+              CHECK(std::memcmp(&f.scores_of(b, h)[s], &c.scores_of(b, h)[s], sizeof(float)) == 0);
+          }
+    }
+  }
+}
+
+TEST_CASE("a retry still refuses a pending head's bad input, and only observe + evict takes one") {
+  layer<h2o_policy> l(policy_shape{2, 1, 1, 4}, h2o_config{1, 2});
+  std::vector<float> probs(2 * 4, 0.25f);
+  const batch_probs in{make_tensor_view<const float>(probs.data(), 2, 1, 4)};
+  batched_append(l.st, active_set::all(), &l.status);
+  probs[4] = std::nanf("");  // sequence 1
+  batched_observe_evict(l.st, active_set::all(), in, nullptr, &l.status);
+  CHECK(l.take_status().sequence == 1);
+  const std::vector<unsigned char> before = l.memory;
+  batched_observe_evict(l.st, active_set::all().as_retry(), in, nullptr, &l.status);  // still NaN
+  CHECK(l.memory == before);
+  const batch_status again = l.take_status();
+  CHECK(again.code == batch_code::nan_input);
+  CHECK(again.sequence == 1);
+  // Without the retry the stepped head is a protocol error, as before.
+  probs[4] = 0.25f;
+  batched_observe_evict(l.st, active_set::all(), in, nullptr, &l.status);
+  CHECK(l.take_status().code == batch_code::not_appended);
+  CHECK(l.st.appended[l.st.head_index(1, 0)] == 0);  // but sequence 1 stepped
+  // Append, evict_to, prefill and reset refuse a retry set: it means nothing there.
+  const std::vector<unsigned char> stepped = l.memory;
+  CHECK_THROWS_WITH_AS(batched_append(l.st, active_set::all().as_retry(), &l.status),
+                       doctest::Contains("'active.retry'"), invalid_argument);
+  CHECK_THROWS_AS(reset_batch_sequences(l.st, active_set::all().as_retry()), invalid_argument);
+  CHECK(l.memory == stepped);
+}

@@ -201,6 +201,7 @@ void observe_evict_all(const batch_state_view& st, const active_set& active, std
                        std::uint64_t* status, Head head) {
   for_each_active(st, active, status, [&](std::int32_t b) {
     for (std::int32_t h = 0; h < st.num_heads(); ++h) {
+      if (observe_skips(st, active, b, h)) continue;
       std::int32_t victim = -1;
       const std::uint64_t problem = head(b, h, victim);
       if (problem == batch_status_clear) commit_observe_evict(st, b, h, victim);
@@ -297,7 +298,7 @@ void batched_observe_evict(const batch_state_view& st, const active_set& active,
                            std::int32_t* victims, std::uint64_t* status) {
   const detail::site w{"batch", "observe_evict"};
   detail::require_state(w, st);
-  detail::require_active(w, active, st.num_seqs());
+  detail::require_active(w, active, st.num_seqs(), true);
   detail::require_not_null(w, "status", status);
   detail::require_input(w, st, in);
   if (st.history.keys)
@@ -316,7 +317,7 @@ void batched_observe_evict(const batch_state_view& st, const active_set& active,
                            const kv_view<T, Layout>& cache, std::int32_t* victims, std::uint64_t* status) {
   const detail::site w{"batch", "observe_evict"};
   detail::require_state(w, st);
-  detail::require_active(w, active, st.num_seqs());
+  detail::require_active(w, active, st.num_seqs(), true);
   detail::require_not_null(w, "status", status);
   detail::require_input(w, st, in, cache);
   if (st.history.keys) {

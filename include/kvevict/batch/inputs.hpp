@@ -68,12 +68,24 @@ struct active_set {
   const std::int32_t* list = nullptr;   ///< `count` distinct sequence indices (mode list)
   std::int32_t count = 0;               ///< entries of `list`; 0 steps nothing
   const std::uint8_t* flags = nullptr;  ///< [num_seqs], non-zero steps (mode flags)
+  /// Observe + evict only: the retry after a refused head (docs/
+  /// integration.md, "After a bad input"). A head of the set that is not
+  /// waiting for its observation (it stepped in the call retried) is
+  /// skipped, reports nothing and keeps its victims entry; the heads still
+  /// waiting step as usual. Every other call refuses a retry set.
+  bool retry = false;
 
   static active_set all() noexcept { return {}; }
   static active_set of_list(const std::int32_t* list, std::int32_t count) noexcept {
     return {kind::list, list, count, nullptr};
   }
   static active_set of_flags(const std::uint8_t* flags) noexcept { return {kind::flags, nullptr, 0, flags}; }
+  /// The same set as a retry.
+  active_set as_retry() const noexcept {
+    active_set r = *this;
+    r.retry = true;
+    return r;
+  }
 
   /// How many entries a call walks: the list's length, or every sequence.
   KVEVICT_HOST_DEVICE std::int32_t entries(std::int32_t num_seqs) const noexcept {

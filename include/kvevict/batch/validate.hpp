@@ -71,7 +71,11 @@ inline void require_history(const site& w, const batch_state_view& st) {
                            st.slots.capacity);
 }
 
-inline void require_active(const site& w, const active_set& active, std::int32_t num_seqs) {
+/// `accepts_retry`: the call is observe + evict, the one a retry set means something to.
+inline void require_active(const site& w, const active_set& active, std::int32_t num_seqs,
+                           bool accepts_retry = false) {
+  if (active.retry && !accepts_retry)
+    fail<invalid_argument>(w, "active.retry", "is set: only observe + evict takes a retry set");
   switch (active.mode) {
     case active_set::kind::all: return;
     case active_set::kind::flags: return require_not_null(w, "active.flags", active.flags);
