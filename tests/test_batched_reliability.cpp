@@ -41,6 +41,28 @@ struct layer {
   }
 };
 
+/// What a batched state holds apart from its scratch (the spare score
+/// buffer, victim_scratch), which a refused observe may write: slot table,
+/// current scores, flags, streams.
+std::vector<unsigned char> visible_state(const batch_state_view& st) {
+  std::vector<unsigned char> out;
+  const auto add = [&out](const void* p, std::size_t bytes) {
+    const auto* c = static_cast<const unsigned char*>(p);
+    out.insert(out.end(), c, c + bytes);
+  };
+  const std::size_t heads = std::size_t(st.num_seqs()) * std::size_t(st.num_heads());
+  add(st.slots.positions, heads * std::size_t(st.capacity()) * sizeof(std::int32_t));
+  add(st.slots.counts, heads * sizeof(std::int32_t));
+  add(st.slots.next_slots, heads * sizeof(std::int32_t));
+  add(st.slots.lengths, std::size_t(st.num_seqs()) * sizeof(std::int32_t));
+  add(st.score_buffer, heads);
+  add(st.appended, heads);
+  if (st.streams) add(st.streams, std::size_t(st.num_seqs()) * sizeof(std::uint64_t));
+  for (std::int32_t b = 0; b < st.num_seqs(); ++b)
+    for (std::int32_t h = 0; h < st.num_heads(); ++h) add(st.scores_of(b, h), std::size_t(st.capacity()) * sizeof(float));
+  return out;
+}
+
 /// The message throw_if_error gives for `word` (empty when it does not throw).
 std::string message_of(std::uint64_t word) {
   try {
@@ -421,9 +443,9 @@ TEST_CASE("a retry still refuses a pending head's bad input, and only observe + 
   probs[4] = std::nanf("");  // sequence 1
   batched_observe_evict(l.st, active_set::all(), in, nullptr, &l.status);
   CHECK(l.take_status().sequence == 1);
-  const std::vector<unsigned char> before = l.memory;
+  const std::vector<unsigned char> before = visible_state(l.st);
   batched_observe_evict(l.st, active_set::all().as_retry(), in, nullptr, &l.status);  // still NaN
-  CHECK(l.memory == before);
+  CHECK(visible_state(l.st) == before);
   const batch_status again = l.take_status();
   CHECK(again.code == batch_code::nan_input);
   CHECK(again.sequence == 1);
@@ -438,4 +460,24 @@ TEST_CASE("a retry still refuses a pending head's bad input, and only observe + 
                        doctest::Contains("'active.retry'"), invalid_argument);
   CHECK_THROWS_AS(reset_batch_sequences(l.st, active_set::all().as_retry()), invalid_argument);
   CHECK(l.memory == stepped);
+}
+
+TEST_CASE("status word: a word initialised to 0 (or holding no known code) cannot pass for a clear one") {
+  CHECK_FALSE(batch_status::unpack(0).ok());
+  CHECK(batch_status::unpack(0).code == batch_code::bad_status_word);
+  CHECK_THROWS_WITH_AS(throw_if_error(0), doctest::Contains("batch_status_clear"), invalid_argument);
+  CHECK_THROWS_AS(throw_if_error(pack_status(2, 1, 3, batch_code::ok)), invalid_argument);
+  CHECK_THROWS_AS(throw_if_error(pack_status(0, 0, 0, static_cast<batch_code>(40))), invalid_argument);
+  CHECK_NOTHROW(throw_if_error(batch_status_clear));
+
+  // A host call with such a word: the refusal cannot lower it, and the check says why.
+  layer<h2o_policy> l(policy_shape{1, 1, 1, 4}, h2o_config{1, 2});
+  std::vector<float> probs(4, std::nanf(""));
+  l.status = 0;
+  batched_append(l.st, active_set::all(), &l.status);
+  const std::vector<unsigned char> before = visible_state(l.st);
+  batched_observe_evict(l.st, active_set::all(), batch_probs{make_tensor_view<const float>(probs.data(), 1, 1, 4)},
+                        nullptr, &l.status);
+  CHECK(visible_state(l.st) == before);  // refused
+  CHECK_THROWS_AS(throw_if_error(l.status), invalid_argument);  // was: no error at all
 }

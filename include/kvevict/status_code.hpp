@@ -40,7 +40,15 @@ enum class batch_code : std::uint32_t {
   not_observed = 19,         ///< evict_to after an append with no observe + evict since
   narrow_input = 20,         ///< the input has fewer columns than the head holds tokens (`index`)
   repeated_sequence = 21,    ///< active-list entry `index` names a sequence an earlier entry names
+  /// Never recorded by a call: batch_status::unpack's reading of a word
+  /// that is neither clear nor a recorded problem, such as 0 (a word set to
+  /// 0 instead of batch_status_clear keeps every refusal out: it is the
+  /// minimum already).
+  bad_status_word = 63,
 };
+
+/// The highest code a call records.
+inline constexpr batch_code last_recorded_code = batch_code::repeated_sequence;
 
 /// The value of a clear status word.
 inline constexpr std::uint64_t batch_status_clear = ~std::uint64_t{0};

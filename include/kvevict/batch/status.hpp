@@ -29,6 +29,10 @@ struct batch_status {
     batch_status s;
     if (word == batch_status_clear) return s;
     s.code = static_cast<batch_code>(word & 0x3Fu);
+    if (s.code == batch_code::ok || s.code > last_recorded_code) {  // no call writes such a word
+      s.code = batch_code::bad_status_word;
+      return s;
+    }
     const std::int32_t raw = static_cast<std::int32_t>((word >> 6) & 0x3FFFFFFu);
     s.index = raw >= (1 << 25) ? raw - (1 << 26) : raw;  // 26-bit two's complement
     s.head = static_cast<std::int32_t>((word >> 32) & 0xFFFu);
@@ -69,6 +73,9 @@ inline const char* describe(batch_code code) noexcept {
       return "the input has fewer columns than the head holds tokens (after a multi-token append)";
     case batch_code::repeated_sequence:
       return "the active list names this sequence more than once; no entry naming it stepped";
+    case batch_code::bad_status_word:
+      return "the word is not one a batched call writes: initialise it to batch_status_clear (all ones); a "
+             "word of 0 is below every problem, so no refusal could be recorded in it";
   }
   return "unknown status code";
 }
@@ -114,11 +121,15 @@ inline std::string status_place(const batch_status& s) {
 
 /// Throws the library's exception for a status word that is not clear:
 /// non_finite_error, invalid_argument, out_of_range or state_error, naming
-/// the call, the sequence, head and index (or the active-list entry).
+/// the call, the sequence, head and index (or the active-list entry). A
+/// word that no call writes (0, from a word initialised to 0) throws
+/// invalid_argument naming 'status': it would have hidden every refusal.
 inline void throw_if_error(std::uint64_t word, const char* call = "batched call") {
   const batch_status s = batch_status::unpack(word);
   if (s.ok()) return;
   const detail::site where{"batch", call};
+  if (s.code == batch_code::bad_status_word)
+    detail::fail<invalid_argument>(where, "status", "= ", word, ": ", describe(s.code));
   const std::string at = detail::status_place(s);
   switch (s.code) {
     case batch_code::nan_input:
