@@ -481,3 +481,25 @@ TEST_CASE("status word: a word initialised to 0 (or holding no known code) canno
   CHECK(visible_state(l.st) == before);  // refused
   CHECK_THROWS_AS(throw_if_error(l.status), invalid_argument);  // was: no error at all
 }
+
+TEST_CASE("scatter: the rows' strides are checked by the same rule as every input view") {
+  // scatter compares its rows' extents itself; a stride of 2^62 between
+  // heads read far outside the rows.
+  auto cache = make_bhsd_cache<float>(1, 2, 4, 2);
+  const std::vector<float> rows(2 * 2, 1.0f);
+  const std::int32_t slots[2] = {0, 0};
+  const std::vector<float> k_before = cache.k_storage(), v_before = cache.v_storage();
+  const auto good = make_tensor_view<const float>(rows.data(), 2, 2);
+  CHECK_THROWS_WITH_AS(
+      scatter(cache.view(), 0, slots, make_strided_view<const float, 2>(rows.data(), {2, 2}, {std::int64_t{1} << 62, 1}),
+              good),
+      doctest::Contains("'k_new.strides[0]'"), invalid_argument);
+  CHECK_THROWS_WITH_AS(
+      scatter(cache.view(), 0, slots, make_strided_view<const float, 2>(rows.data() + 2, {2, 2}, {-2, 1}), good),
+      doctest::Contains("'k_new.strides[0]'"), invalid_argument);
+  CHECK_THROWS_WITH_AS(
+      scatter(cache.view(), 0, slots, good, make_strided_view<const float, 2>(rows.data(), {2, 2}, {0, 1})),
+      doctest::Contains("'v_new.strides[0]'"), invalid_argument);
+  CHECK(cache.k_storage() == k_before);
+  CHECK(cache.v_storage() == v_before);
+}

@@ -7,7 +7,6 @@
 // has been checked, which is how observe/prefill keep the strong guarantee.
 #include <algorithm>
 #include <cmath>
-#include <cstddef>
 #include <cstdint>
 
 #include "kvevict/dtype/convert.hpp"
@@ -15,6 +14,7 @@
 #include "kvevict/kv_view.hpp"
 #include "kvevict/policy/decode_rules.hpp"
 #include "kvevict/score_inputs.hpp"
+#include "kvevict/tensor_checks.hpp"
 #include "kvevict/tensor_view.hpp"
 
 namespace kvevict {
@@ -76,29 +76,6 @@ void reduce_groups(const Where& where, const char* arg, const group_info& g, std
                                "overflows to ", inc.value, " when reduced over the query heads of KV head ", h);
       row[c] = inc.value;
     }
-  }
-}
-
-/// Strides that step through memory, as a kv_view layout's must: none
-/// negative (it would read before the data pointer), none 0 on a dimension
-/// of extent above 1 (its elements would alias), and the last element's
-/// offset within PTRDIFF_MAX bytes. That the buffer holds that many
-/// elements cannot be checked.
-template <class Where, class V>
-void require_strides(const Where& where, const char* arg, const V& view) {
-  constexpr std::int64_t limit = PTRDIFF_MAX / std::int64_t{sizeof(typename V::element_type)};
-  std::int64_t reach = 0;  // the last element's offset, in elements
-  for (int d = 0; d < V::rank; ++d) {
-    const std::int64_t stride = view.strides[d], steps = std::int64_t{view.extents[d]} - 1;
-    if (stride < 0) fail<invalid_argument>(where, concat(arg, ".strides[", d, "]"), "= ", stride, " is negative");
-    if (steps <= 0) continue;
-    if (stride == 0)
-      fail<invalid_argument>(where, concat(arg, ".strides[", d, "]"), "= 0 on a dimension of extent ",
-                             view.extents[d], " (its elements would alias)");
-    if (stride > (limit - reach) / steps)
-      fail<invalid_argument>(where, concat(arg, ".strides[", d, "]"), "= ", stride, " over extent ",
-                             view.extents[d], " puts elements beyond the address range");
-    reach += stride * steps;
   }
 }
 
