@@ -3,11 +3,13 @@
 // refused data names a (sequence, head) that the call left unchanged, and
 // the status word can neither hide a refusal nor keep one after the
 // documented retry. Each test case reproduces one defect of an independent
-// bad-input battery; the state is compared byte for byte (the whole state
-// memory) where a call must not have changed it.
+// bad-input battery. "Unchanged" is every byte of the state memory where a
+// call must write nothing, and the state without its scratch where a
+// refused observe may have written the spare score buffer.
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <limits>
