@@ -61,7 +61,8 @@ std::vector<unsigned char> visible_state(const batch_state_view& st) {
   add(st.appended, heads);
   if (st.streams) add(st.streams, std::size_t(st.num_seqs()) * sizeof(std::uint64_t));
   for (std::int32_t b = 0; b < st.num_seqs(); ++b)
-    for (std::int32_t h = 0; h < st.num_heads(); ++h) add(st.scores_of(b, h), std::size_t(st.capacity()) * sizeof(float));
+    for (std::int32_t h = 0; h < st.num_heads(); ++h)
+      add(st.scores_of(b, h), std::size_t(st.capacity()) * sizeof(float));
   return out;
 }
 
@@ -248,7 +249,7 @@ TEST_CASE("state view: a null victim_scratch is refused where the call would wri
   }
 }
 
-TEST_CASE("input views: negative strides, a zero stride where the extent is above 1 and overflowing strides are refused") {
+TEST_CASE("input views: negative strides, a zero stride on an extent above 1, overflowing strides are refused") {
   layer<h2o_policy> l(policy_shape{2, 1, 1, 4}, h2o_config{1, 2});
   batched_append(l.st, active_set::all(), &l.status);
   std::vector<float> probs(2 * 1 * 4, 0.25f);
@@ -492,10 +493,9 @@ TEST_CASE("scatter: the rows' strides are checked by the same rule as every inpu
   const std::int32_t slots[2] = {0, 0};
   const std::vector<float> k_before = cache.k_storage(), v_before = cache.v_storage();
   const auto good = make_tensor_view<const float>(rows.data(), 2, 2);
-  CHECK_THROWS_WITH_AS(
-      scatter(cache.view(), 0, slots, make_strided_view<const float, 2>(rows.data(), {2, 2}, {std::int64_t{1} << 62, 1}),
-              good),
-      doctest::Contains("'k_new.strides[0]'"), invalid_argument);
+  const auto far = make_strided_view<const float, 2>(rows.data(), {2, 2}, {std::int64_t{1} << 62, 1});
+  CHECK_THROWS_WITH_AS(scatter(cache.view(), 0, slots, far, good), doctest::Contains("'k_new.strides[0]'"),
+                       invalid_argument);
   CHECK_THROWS_WITH_AS(
       scatter(cache.view(), 0, slots, make_strided_view<const float, 2>(rows.data() + 2, {2, 2}, {-2, 1}), good),
       doctest::Contains("'k_new.strides[0]'"), invalid_argument);
