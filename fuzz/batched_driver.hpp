@@ -4,14 +4,20 @@
 // reset, check) and the free functions on its state (batched_append_tokens,
 // batched_evict_to into the cache or as moves, batched_prefill with every
 // input kind), over every policy, layout and dtype, with active sets of
-// every mode (all, list, flags; sometimes invalid).
+// every mode (all, list, flags; sometimes invalid, with repeated entries,
+// or marked as a retry), inputs with malformed strides (make_tensor), and
+// now and then a hand-edited copy of the state view for the free functions
+// (null pointers, enum values out of range, protections beyond the budget).
 //
 // After every call: a thrown kvevict::error must have left every byte of
 // the state memory and the cache as it was. A status word that is not clear
 // must name a (b, h) whose state (slot table, current scores, flags,
 // recorded history, length, stream) is unchanged (the whole sequence for
 // append and prefill), and check() / throw_if_error must turn it into a
-// kvevict::error. Then the slot-table invariants must hold for every
+// kvevict::error. A sequence the active list names twice must be left
+// unchanged, whatever the word shows; in a retry, a head that was not
+// waiting for its observation too; an edit of the view that must be refused
+// must be. Then the slot-table invariants must hold for every
 // (b, h), scores must be finite, moved K/V rows must be where the slot table
 // says, and for h2o the state must match the brute-force model fed with
 // what each (b, h) did.
@@ -25,6 +31,7 @@
 #include <optional>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "kvevict/batch/batched_policy.hpp"
@@ -55,6 +62,7 @@ struct owned_active {
   std::vector<std::int32_t> list;
   std::vector<std::uint8_t> flags;
   kvevict::active_set set;
+  std::vector<std::int32_t> repeated;  ///< sequences a valid list names more than once
 };
 
 template <class Policy, class T, class Layout>
@@ -131,12 +139,25 @@ class batched_driver {
                                     Call c) {
     std::uint64_t status = kvevict::batch_status_clear;
     const std::string name = std::string("batch ") + kvevict::policy_traits<Policy>::name + " " + what;
+    const bool must_refuse = std::exchange(must_refuse_, false);
     if (!guarded(name, [this] { return take(); }, [&] { c(status); })) return std::nullopt;
+    require(!must_refuse, name + ": a malformed state view was accepted");
+    for (const std::int32_t b : repeated_)  // no entry naming it steps, whatever the word shows
+      for (std::int32_t h = 0; h < heads(); ++h) {
+        const std::string changed =
+            before.heads[std::size_t(b) * heads() + h].first_difference(batch_head_state(st(), b, h));
+        require(changed.empty(), name + ": sequence " + std::to_string(b) +
+                                     " is named twice in the active list but its state changed: " + changed);
+      }
     const kvevict::batch_status s = kvevict::batch_status::unpack(status);
     if (!s.ok()) {
-      if (tracing()) std::fprintf(stderr, "  status: code %u sequence %d head %d index %d\n", unsigned(s.code),
-                                  s.sequence, s.head, s.index);
-      if (s.code != kvevict::batch_code::bad_sequence) {
+      if (tracing()) std::fprintf(stderr, "  status: code %u sequence %d head %d index %d entry %d\n",
+                                  unsigned(s.code), s.sequence, s.head, s.index, s.entry);
+      require(s.code != kvevict::batch_code::bad_status_word, name + ": a call wrote a word no call writes");
+      if (s.code == kvevict::batch_code::bad_sequence) {
+        require(s.sequence == -1 && s.entry >= 0, name + ": bad_sequence does not name a list entry");
+      } else {
+        if (s.code == kvevict::batch_code::repeated_sequence) whole_sequence = true;
         require(s.sequence >= 0 && s.sequence < seqs() && s.head >= 0 && s.head < heads(),
                 name + ": the status names a (sequence, head) outside the batch");
         for (std::int32_t h = whole_sequence ? 0 : s.head; h < (whole_sequence ? heads() : s.head + 1); ++h) {
@@ -165,6 +186,7 @@ class batched_driver {
 
   owned_active pick_active() {
     owned_active a;
+    repeated_.clear();
     switch (in_.range(0, 3)) {
       case 0: a.set = kvevict::active_set::all(); break;
       case 1: {
@@ -176,10 +198,21 @@ class batched_driver {
           a.list.push_back(all[std::size_t(i)]);
         }
         if (!a.list.empty() && in_.one_in(12)) a.list[std::size_t(in_.range(0, n - 1))] = in_.one_in(2) ? -1 : seqs();
+        if (n >= 2 && in_.one_in(6)) {  // a repeated entry (refused: the sequence steps for none of them)
+          const std::int32_t from = in_.range(0, n - 1), to = in_.range(0, n - 1);
+          if (from != to) a.list[std::size_t(to)] = a.list[std::size_t(from)];
+        }
         std::int32_t count = n;
         if (in_.one_in(24)) count = in_.one_in(2) ? -1 : seqs() + 1;
         a.list.resize(std::size_t(std::max(count, 0) + 1), 0);  // the memory covers whatever count says
         a.set = kvevict::active_set::of_list(in_.one_in(32) ? nullptr : a.list.data(), count);
+        if (a.set.list && count >= 0 && count <= seqs())
+          for (std::int32_t i = 0; i < count; ++i) {
+            const std::int32_t b = a.list[std::size_t(i)];
+            if (b >= 0 && b < seqs() && std::count(a.list.begin(), a.list.begin() + count, b) > 1 &&
+                std::find(a.repeated.begin(), a.repeated.end(), b) == a.repeated.end())
+              a.repeated.push_back(b);
+          }
         break;
       }
       case 2: {
@@ -192,7 +225,38 @@ class batched_driver {
         if (in_.one_in(4)) a.set.mode = static_cast<kvevict::active_set::kind>(in_.range(3, 255));
         break;
     }
+    if (in_.one_in(8)) a.set = a.set.as_retry();  // observe + evict takes it; every other call refuses it
+    repeated_ = a.repeated;
     return a;
+  }
+
+  /// The state view a free function gets: the policy's, or now and then a
+  /// copy edited the way a caller might (must_refuse_: every call refuses
+  /// that edit; the others are refused where the call uses the field).
+  kvevict::batch_state_view call_view() {
+    kvevict::batch_state_view v = st();
+    if (!in_.one_in(16)) return v;
+    bool must = true;
+    switch (in_.range(0, 11)) {
+      case 0: v.rule.victim = static_cast<kvevict::victim_rule>(in_.range(3, 255)); break;
+      case 1: v.rule.reduce = static_cast<kvevict::group_reduce>(in_.range(3, 1000)); break;
+      case 2: v.rule.protect.sinks = -in_.range(1, 5); break;
+      case 3: v.rule.protect.recent = -in_.range(1, 5); break;
+      case 4: v.rule.protect.sinks = v.rule.budget + 1 - v.rule.protect.recent; break;
+      case 5: v.rule.budget = in_.one_in(2) ? 0 : v.capacity(); break;
+      case 6: v.scores = nullptr; break;
+      case 7: v.appended = nullptr; break;
+      case 8: v.slots.next_slots = nullptr; break;
+      case 9: v.num_q_heads = 0; break;
+      case 10:
+        v.streams = nullptr;
+        must = v.rule.victim == kvevict::victim_rule::random_priority;
+        break;
+      default: v.victim_scratch = nullptr, must = false; break;  // refused where it is written through
+    }
+    if (tracing()) std::fprintf(stderr, "  (an edited state view%s)\n", must ? ", to be refused" : "");
+    must_refuse_ = must;
+    return v;
   }
 
 
@@ -268,6 +332,7 @@ class batched_driver {
   // ---- the calls ----
 
   void step(int op) {
+    must_refuse_ = false;  // an edited view that no call took
     switch (op) {
       case 0: return append(false);
       case 1: return append(true);
@@ -334,6 +399,11 @@ class batched_driver {
                         std::memcmp(v.v_row(b, h, s), &v_new.view(b, h, 0), sizeof(T) * head_dim()) == 0,
                     "batched append(rows): the new rows are not in the new token's slot");
           }
+    } else if (in_.one_in(4)) {
+      const kvevict::batch_state_view view = call_view();
+      if (!call("append(free function)", before, true, false,
+                [&](std::uint64_t& s) { kvevict::batched_append(view, active.set, &s); }))
+        return;
     } else if (!call("append", before, true, true, [&](std::uint64_t& s) {
                  policy_->append(active.set);
                  s = policy_->status_word();
@@ -352,8 +422,9 @@ class batched_driver {
     std::int32_t tokens = in_.range(1, 4);
     if (in_.one_in(16)) tokens = in_.one_in(2) ? 0 : capacity() + 1;
     const before_call before = remember();
+    const kvevict::batch_state_view view = call_view();
     if (!call("append_tokens", before, true, false,
-              [&](std::uint64_t& s) { kvevict::batched_append_tokens(st(), active.set, tokens, &s); }))
+              [&](std::uint64_t& s) { kvevict::batched_append_tokens(view, active.set, tokens, &s); }))
       return;
     for (std::int32_t b = 0; b < seqs(); ++b) {
       const std::int32_t grew = length(b) - before.lengths[std::size_t(b)];
@@ -387,12 +458,28 @@ class batched_driver {
     std::vector<std::int32_t> victims(std::size_t(seqs()) * heads(), -7);
     const bool with_victims = !in_.one_in(3);
     std::int32_t* victims_out = with_victims ? victims.data() : nullptr;
-    const auto run = [&](const char* what, auto do_call, auto increment) {
-      if (!call(what, before, false, true, [&](std::uint64_t& s) {
-            do_call();
-            s = policy_->status_word();
+    // Through the policy, or the free function on a view that may be edited.
+    const bool free_function = !valid && in_.one_in(4);
+    const auto run = [&](const char* what, auto via_policy, auto via_free_function, auto increment) {
+      const kvevict::batch_state_view view = free_function ? call_view() : st();
+      if (!call(what, before, false, !free_function, [&](std::uint64_t& s) {
+            if (free_function) {
+              via_free_function(view, s);
+            } else {
+              via_policy();
+              s = policy_->status_word();
+            }
           }))
         return;
+      if (active.set.retry)  // a head that was not waiting for its observation is skipped
+        for (std::int32_t b = 0; b < seqs(); ++b)
+          for (std::int32_t h = 0; h < heads(); ++h) {
+            const std::size_t bh = std::size_t(b) * heads() + h;
+            if (before.appended[bh]) continue;
+            const std::string changed = before.heads[bh].first_difference(batch_head_state(st(), b, h));
+            require(changed.empty(), std::string(what) + ": a retry changed a head that had stepped: " + changed);
+            require(!with_victims || victims[bh] == -7, std::string(what) + ": a retry wrote a skipped head's victim");
+          }
       for (std::int32_t b = 0; b < seqs(); ++b)
         for (std::int32_t h = 0; h < heads(); ++h) {
           const std::size_t bh = std::size_t(b) * heads() + h;
@@ -422,6 +509,9 @@ class batched_driver {
                                                value_kind::probability, bad, poison);
       const kvevict::batch_probs input{probs.view};
       run("observe_evict(probs)", [&] { policy_->observe_evict(input, active.set, victims_out); },
+          [&](const kvevict::batch_state_view& v, std::uint64_t& s) {
+            kvevict::batched_observe_evict(v, active.set, input, victims_out, &s);
+          },
           [&](std::int32_t b, std::int32_t h, std::int32_t s) {
             return folded(h, [&](std::int32_t q) { return probs.view(b, q, s); });
           });
@@ -430,6 +520,9 @@ class batched_driver {
                                             value_kind::signed_score, bad, poison);
       const kvevict::batch_head_scores input{sc.view};
       run("observe_evict(head_scores)", [&] { policy_->observe_evict(input, active.set, victims_out); },
+          [&](const kvevict::batch_state_view& v, std::uint64_t& s) {
+            kvevict::batched_observe_evict(v, active.set, input, victims_out, &s);
+          },
           [&](std::int32_t b, std::int32_t h, std::int32_t s) { return sc.view(b, h, s); });
     } else if (kind == 2) {
       const auto logits = make_tensor<float, 3>(in_, {seqs(), hq, width}, {false, false, true}, value_kind::logit,
@@ -438,6 +531,9 @@ class batched_driver {
       const kvevict::batch_logits input{logits.view, lse.view, valid ? 1.0f : scale_value(in_),
                                         valid ? kvevict::lse_base::natural : base_value(in_)};
       run("observe_evict(logits)", [&] { policy_->observe_evict(input, active.set, victims_out); },
+          [&](const kvevict::batch_state_view& v, std::uint64_t& s) {
+            kvevict::batched_observe_evict(v, active.set, input, victims_out, &s);
+          },
           [&](std::int32_t b, std::int32_t h, std::int32_t s) {
             return folded(h, [&](std::int32_t q) {
               return kvevict::probability_from_logit(logits.view(b, q, s), input.scale, lse.view(b, q), input.base);
@@ -451,6 +547,9 @@ class batched_driver {
                                             valid ? kvevict::lse_base::natural : base_value(in_)};
       const view_type view = valid ? cache_.view() : pick_view(in_, cache_);
       run("observe_evict(queries)", [&] { policy_->observe_evict(input, view, active.set, victims_out); },
+          [&](const kvevict::batch_state_view& v, std::uint64_t& s) {
+            kvevict::batched_observe_evict(v, active.set, input, view, victims_out, &s);
+          },
           [&](std::int32_t b, std::int32_t h, std::int32_t s) {
             const view_type v = cache_.view();
             return folded(h, [&](std::int32_t qh) {
@@ -491,11 +590,12 @@ class batched_driver {
                                      value_kind::query, 24, 24);
     const auto lse = make_tensor<float, 2>(in_, {seqs(), st().num_q_heads}, {false, false}, value_kind::logit, 24, 24);
     const kvevict::batch_queries<T> input{q.view, lse.view, scale_value(in_), base_value(in_)};
+    const kvevict::batch_state_view sv = call_view();
     if (!call("evict_to", before, false, false, [&](std::uint64_t& s) {
-          if (queries && with_cache) kvevict::batched_evict_to(st(), active.set, target, input, view, freed_out, &s);
-          else if (queries) kvevict::batched_evict_to(st(), active.set, target, input, moves_out, counts_out, &s);
-          else if (with_cache) kvevict::batched_evict_to(st(), active.set, target, view, freed_out, &s);
-          else kvevict::batched_evict_to(st(), active.set, target, moves_out, counts_out, &s);
+          if (queries && with_cache) kvevict::batched_evict_to(sv, active.set, target, input, view, freed_out, &s);
+          else if (queries) kvevict::batched_evict_to(sv, active.set, target, input, moves_out, counts_out, &s);
+          else if (with_cache) kvevict::batched_evict_to(sv, active.set, target, view, freed_out, &s);
+          else kvevict::batched_evict_to(sv, active.set, target, moves_out, counts_out, &s);
         }))
       return;
     for (std::int32_t b = 0; b < seqs(); ++b) {
@@ -566,6 +666,7 @@ class batched_driver {
     const std::int32_t hq = st().num_q_heads;
     const before_call before = remember();
     const int kind = in_.range(0, 4);
+    const kvevict::batch_state_view sv = call_view();
     // h2o: the brute-force column total of (b, query head, p) for a prompt of len, read
     // only for sequences the call prefilled (the others' rows may be unmapped)
     std::function<float(std::int32_t, std::int32_t, std::int32_t, std::int32_t)> total;
@@ -575,7 +676,7 @@ class batched_driver {
                                                value_kind::probability, 24, 64);
       const kvevict::batch_prefill_probs input{probs.view};
       ok = call("prefill(probs)", before, true, false, [&](std::uint64_t& s) {
-             kvevict::batched_prefill(st(), active.set, prompts, input, view, reclaim_out, &s);
+             kvevict::batched_prefill(sv, active.set, prompts, input, view, reclaim_out, &s);
            }).has_value();
       total = [&](std::int32_t b, std::int32_t q, std::int32_t p, std::int32_t len) {
         return column_total(p, len, [&](std::int32_t i) { return probs.view(b, q, i, p); });
@@ -588,8 +689,8 @@ class batched_driver {
       const kvevict::batch_prefill_sums input{sums.view};
       moved = kind == 1;
       ok = call(kind == 1 ? "prefill(sums)" : "prefill(sums, no cache)", before, true, false, [&](std::uint64_t& s) {
-             if (kind == 1) kvevict::batched_prefill(st(), active.set, prompts, input, view, reclaim_out, &s);
-             else kvevict::batched_prefill(st(), active.set, prompts, input, &s);
+             if (kind == 1) kvevict::batched_prefill(sv, active.set, prompts, input, view, reclaim_out, &s);
+             else kvevict::batched_prefill(sv, active.set, prompts, input, &s);
            }).has_value();
       total = [&](std::int32_t b, std::int32_t q, std::int32_t p, std::int32_t) { return sums.view(b, q, p); };
       if (ok) after_prefill(before, lengths, moved, total);
@@ -600,7 +701,7 @@ class batched_driver {
       const auto lse = make_tensor<float, 3>(in_, {seqs(), hq, me}, {false, false, true}, value_kind::logit, 24, 64);
       const kvevict::batch_prefill_queries<T> input{q.view, lse.view, scale_value(in_), base_value(in_)};
       ok = call("prefill(queries)", before, true, false, [&](std::uint64_t& s) {
-             kvevict::batched_prefill(st(), active.set, prompts, input, view, reclaim_out, &s);
+             kvevict::batched_prefill(sv, active.set, prompts, input, view, reclaim_out, &s);
            }).has_value();
       const view_type v = cache_.view();
       const std::int32_t g = st().group_size();
@@ -615,7 +716,7 @@ class batched_driver {
       return;
     } else {
       ok = call("prefill(no scores)", before, true, false, [&](std::uint64_t& s) {
-             kvevict::batched_prefill(st(), active.set, prompts, view, reclaim_out, &s);
+             kvevict::batched_prefill(sv, active.set, prompts, view, reclaim_out, &s);
            }).has_value();
     }
     if (ok) after_prefill(before, lengths, moved, total);
@@ -646,6 +747,7 @@ class batched_driver {
 
   /// A valid decode step of every sequence, so short inputs reach deep states.
   void valid_step() {
+    repeated_.clear();
     if (too_long()) return;
     owned_active all;
     all.set = kvevict::active_set::all();
@@ -669,6 +771,8 @@ class batched_driver {
   kvevict::kv_cache<T, Layout> cache_;
   std::vector<std::int32_t> pristine_;
   std::optional<h2o_shadow> shadow_;
+  std::vector<std::int32_t> repeated_;  // the sequences the last active list named more than once
+  bool must_refuse_ = false;            // the next call's state view is edited in a way every call refuses
 };
 
 }  // namespace kvfuzz

@@ -316,12 +316,13 @@ TEST_CASE("batched status: a bad (b, h) is left unchanged, the rest of the batch
     CHECK(s.slots.counts[s.head_index(1, 0)] == 3);
     CHECK(s.slots.counts[s.head_index(2, 1)] == 3);
   }
-  SUBCASE("a list entry that is not a sequence index is reported by its position in the list") {
+  SUBCASE("a list entry that is not a sequence index is reported by its position in the list and its value") {
     const std::int32_t list[2] = {0, 7};
     layer.append(active_set::of_list(list, 2));
     const batch_status bad = batch_status::unpack(layer.status_word());
     CHECK(bad.code == batch_code::bad_sequence);
-    CHECK(bad.sequence == 1);
+    CHECK(bad.entry == 1);
+    CHECK(bad.index == 7);
     CHECK_THROWS_AS(layer.check(), out_of_range);
   }
 }
@@ -345,7 +346,8 @@ TEST_CASE("batched status: retrying a refused head with corrected input equals a
       CHECK_THROWS_AS(failed.check(), non_finite_error);
       probs[std::size_t((1 * H + 0) * cap + 1)] = good;
       failed.observe_evict(batch_probs{view}, active_set::of_list(&one, 1));
-      CHECK(batch_status::unpack(failed.status_word()).code == batch_code::not_appended);  // (1, 1) had stepped
+      // (1, 1) had stepped: a call that is not a retry (as_retry) reports that
+      CHECK(batch_status::unpack(failed.status_word()).code == batch_code::not_appended);
       CHECK_THROWS_AS(failed.check(), state_error);
     } else {
       failed.observe_evict(batch_probs{view});

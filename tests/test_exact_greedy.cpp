@@ -556,3 +556,47 @@ TEST_CASE("exact_greedy evicts the naive argmin, never worse than h2o from the s
   CHECK(streams >= 1000);
   CHECK(decisions > 10000);
 }
+
+TEST_CASE("regression: evict_to of one sequence re-scores with that sequence's softmax scale, not the last observed") {
+  // Two sequences of six tokens each (one multi-token append), sequence 0
+  // observed at scale 0.5, then sequence 1 at 0.5 or at 4.0. evict_to(0, 2)
+  // re-scores sequence 0 before each greedy round; its keep set must not
+  // depend on the scale another sequence was observed with (the shared
+  // scale gave {0, 3} in one case and {3, 5} in the other).
+  const float kv[2][6][2][2] = {  // [b][position][k, v][d]
+      {{{3.49f, 1.21f}, {-2.60f, -0.73f}}, {{-3.45f, 2.01f}, {0.74f, 0.34f}},
+       {{-0.91f, 0.52f}, {0.19f, -0.82f}}, {{1.43f, -1.34f}, {1.36f, -0.39f}},
+       {{-1.63f, 0.69f}, {1.06f, 1.38f}}, {{2.30f, -0.26f}, {1.87f, -0.01f}}},
+      {{{0.20f, 0.62f}, {0.44f, 0.60f}}, {{-0.79f, -1.67f}, {-1.29f, 0.20f}},
+       {{1.68f, 2.04f}, {0.15f, 1.21f}}, {{-0.43f, 2.75f}, {-0.27f, -0.82f}},
+       {{-1.04f, 0.17f}, {1.17f, 0.38f}}, {{2.05f, 5.45f}, {-1.64f, -1.48f}}}};
+  const float q[2][2] = {{1.03f, -2.06f}, {-0.07f, 0.92f}}, lse = 0.0f;
+  const auto kept_after = [&](float scale_of_sequence_1) {
+    exact_greedy_policy pol(policy_shape{2, 1, 1, 8}, exact_greedy_config{2, 0, 0});
+    auto cache = make_bhsd_cache<float>(2, 1, 8, 2);
+    const auto view = cache.view();
+    for (std::int32_t b = 0; b < 2; ++b) {
+      std::int32_t slots[6];
+      pol.append(b, 6, slots);
+      for (std::int32_t p = 0; p < 6; ++p)
+        for (std::int32_t d = 0; d < 2; ++d) {
+          view.k_row(b, 0, slots[p])[d] = kv[b][p][0][d];
+          view.v_row(b, 0, slots[p])[d] = kv[b][p][1][d];
+        }
+    }
+    const float scales[2] = {0.5f, scale_of_sequence_1};
+    for (std::int32_t b = 0; b < 2; ++b)
+      pol.observe(b, decode_queries<float>{make_tensor_view<const float>(q[b], 1, 2),
+                                           make_tensor_view<const float>(&lse, 1), scales[b]},
+                  view);
+    pol.evict_to(0, 2, view);
+    std::vector<std::int32_t> kept;
+    for (std::int32_t p = 0; p < 6; ++p)
+      if (pol.slots().slot_of(0, 0, p) >= 0) kept.push_back(p);
+    return kept;
+  };
+  const std::vector<std::int32_t> same_scale = kept_after(0.5f);
+  CHECK(same_scale.size() == 2);
+  CHECK(kept_after(4.0f) == same_scale);
+  CHECK(kept_after(0.125f) == same_scale);
+}

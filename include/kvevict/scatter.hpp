@@ -8,6 +8,7 @@
 
 #include "kvevict/error.hpp"
 #include "kvevict/kv_view.hpp"
+#include "kvevict/tensor_checks.hpp"
 #include "kvevict/tensor_view.hpp"
 
 namespace kvevict {
@@ -32,6 +33,7 @@ void scatter(const kv_view<T, Layout>& view, std::int32_t b, const std::int32_t*
     if (rows[i]->strides[1] != 1)
       detail::fail<invalid_argument>(where, detail::concat(names[i], ".strides[1]"), "= ", rows[i]->strides[1],
                                      ", rows must be contiguous");
+    detail::require_strides(where, names[i], *rows[i]);
   }
   for (std::int32_t h = 0; h < view.num_heads; ++h) {
     if (slots[h] < 0 || slots[h] >= view.capacity)  // the name is built only on failure

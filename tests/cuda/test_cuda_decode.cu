@@ -508,7 +508,7 @@ TEST_CASE("cuda: list entries outside the batch and heads without a free slot ar
   CHECK(dev.status_word() == ref.status_word());
   const batch_status bad = batch_status::unpack(dev.status_word());
   CHECK(bad.code == batch_code::bad_sequence);
-  CHECK(bad.sequence == 1);  // the list entry
+  CHECK(bad.entry == 1);  // the list position
   CHECK_THROWS_AS(dev.check(), out_of_range);
   CHECK_THROWS_AS(ref.check(), out_of_range);
   for (int i = 0; i < 4; ++i) {  // the fourth finds no free slot: evict never ran
@@ -523,4 +523,57 @@ TEST_CASE("cuda: list entries outside the batch and heads without a free slot ar
   CHECK(mirror.view.slots.lengths[2] == 4);
   CHECK(mirror.view.slots.lengths[0] == 1);
   CHECK_THROWS_AS(dev.check(), state_error);
+}
+
+TEST_CASE("cuda: a sequence named twice in the list steps for no entry; a retry set skips heads that stepped") {
+  // Repeats: every batched call of both devices leaves sequence 1 alone,
+  // steps the others, and reports the second entry's position.
+  const policy_shape shape{3, 2, 4, 9};
+  const h2o_config config{4, 4};
+  batched_policy<h2o_policy> ref(shape, config);
+  batched_policy<h2o_policy, device::cuda> dev(shape, config);
+  kvtest::host_state_mirror<h2o_policy> mirror(shape, config);
+  const std::vector<std::int32_t> list = {1, 0, 1};
+  const device_buffer<std::int32_t> dlist(list);
+  const std::vector<float> probs(std::size_t(3) * 4 * 9, 0.125f);
+  const device_buffer<float> dprobs(probs);
+  const auto host_in = batch_probs{make_tensor_view<const float>(probs.data(), 3, 4, 9)};
+  const auto dev_in = batch_probs{make_tensor_view<const float>(dprobs.get(), 3, 4, 9)};
+  for (int step = 0; step < 12; ++step) {
+    ref.append(active_set::of_list(list.data(), 3));
+    dev.append(active_set::of_list(dlist.get(), 3));
+    ref.observe_evict(host_in, active_set::of_list(list.data(), 3));
+    dev.observe_evict(dev_in, active_set::of_list(dlist.get(), 3));
+  }
+  CHECK(dev.status_word() == ref.status_word());
+  const batch_status repeat = batch_status::unpack(dev.status_word());
+  CHECK(repeat.code == batch_code::repeated_sequence);
+  CHECK(repeat.sequence == 1);
+  mirror.read(dev.state());
+  kvtest::check_same_state(ref.state(), mirror.view);
+  CHECK(mirror.view.slots.lengths[1] == 0);   // never stepped
+  CHECK(mirror.view.slots.lengths[0] == 12);  // stepped every time
+  CHECK_THROWS_AS(dev.check(), invalid_argument);
+  CHECK_THROWS_AS(ref.check(), invalid_argument);
+
+  // Retry: a bad probability refuses one head; the retry with corrected
+  // input steps only the heads still waiting and ends with a clear status.
+  ref.append();
+  dev.append();
+  std::vector<float> bad = probs;
+  bad[(std::size_t(2) * 4 + 3) * 9 + 4] = std::nanf("");  // sequence 2, query head 3: KV head 1
+  const device_buffer<float> dbad(bad);
+  ref.observe_evict(batch_probs{make_tensor_view<const float>(bad.data(), 3, 4, 9)});
+  dev.observe_evict(batch_probs{make_tensor_view<const float>(dbad.get(), 3, 4, 9)});
+  CHECK(dev.status_word() == ref.status_word());
+  CHECK(batch_status::unpack(dev.status_word()).code == batch_code::nan_input);
+  CHECK_THROWS_AS(ref.check(), non_finite_error);
+  CHECK_THROWS_AS(dev.check(), non_finite_error);
+  ref.observe_evict(host_in, active_set::all().as_retry());
+  dev.observe_evict(dev_in, active_set::all().as_retry());
+  CHECK(ref.status_word() == batch_status_clear);
+  CHECK(dev.status_word() == batch_status_clear);
+  mirror.read(dev.state());
+  kvtest::check_same_state(ref.state(), mirror.view);
+  CHECK_THROWS_AS(dev.append(active_set::all().as_retry()), invalid_argument);  // only observe + evict takes one
 }

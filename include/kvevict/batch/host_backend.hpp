@@ -32,14 +32,14 @@ inline void record_status(std::uint64_t* status, std::uint64_t word) noexcept {
 }
 
 /// Calls f(b) for every active sequence; reports list entries that are not
-/// sequence indices.
+/// sequence indices, or that repeat a sequence (check_entry).
 template <class F>
 void for_each_active(const batch_state_view& st, const active_set& active, std::uint64_t* status, F f) {
   const std::int32_t entries = active.entries(st.num_seqs());
   for (std::int32_t i = 0; i < entries; ++i) {
-    const std::int32_t b = active.sequence(i, st.num_seqs());
-    if (b == -2) record_status(status, pack_status(i, 0, 0, batch_code::bad_sequence));
-    if (b >= 0) f(b);
+    const checked_entry e = check_entry(active, i, st.num_seqs());
+    record_status(status, e.word);
+    if (e.sequence >= 0) f(e.sequence);
   }
 }
 
@@ -194,6 +194,7 @@ void observe_evict_all(const batch_state_view& st, const active_set& active, std
                        std::uint64_t* status, Head head) {
   for_each_active(st, active, status, [&](std::int32_t b) {
     for (std::int32_t h = 0; h < st.num_heads(); ++h) {
+      if (observe_skips(st, active, b, h)) continue;
       std::int32_t victim = -1;
       const std::uint64_t problem = head(b, h, victim);
       if (problem == batch_status_clear) commit_observe_evict(st, b, h, victim);
@@ -218,6 +219,9 @@ inline void reset_batch_sequences(const batch_state_view& st, const active_set& 
     const std::int32_t b = active.sequence(i, st.num_seqs());
     if (b == -2) detail::fail<out_of_range>(w, detail::concat("active.list[", i, "]"), "= ", active.list[i],
                                             " is outside [0, num_seqs = ", st.num_seqs(), ")");
+    if (detail::check_entry(active, i, st.num_seqs()).word != batch_status_clear)
+      detail::fail<invalid_argument>(w, detail::concat("active.list[", i, "]"), "= ", b,
+                                     " repeats an earlier entry: a list names each sequence once");
     if (b >= 0 && streams && streams[i] > max_random_stream)
       detail::fail<out_of_range>(w, detail::concat("streams[", i, "]"), "= ", streams[i], " exceeds max_random_stream");
   }
@@ -287,7 +291,7 @@ void batched_observe_evict(const batch_state_view& st, const active_set& active,
                            std::int32_t* victims, std::uint64_t* status) {
   const detail::site w{"batch", "observe_evict"};
   detail::require_state(w, st);
-  detail::require_active(w, active, st.num_seqs());
+  detail::require_active(w, active, st.num_seqs(), true);
   detail::require_not_null(w, "status", status);
   detail::require_input(w, st, in);
   if (st.history.keys)
@@ -306,7 +310,7 @@ void batched_observe_evict(const batch_state_view& st, const active_set& active,
                            const kv_view<T, Layout>& cache, std::int32_t* victims, std::uint64_t* status) {
   const detail::site w{"batch", "observe_evict"};
   detail::require_state(w, st);
-  detail::require_active(w, active, st.num_seqs());
+  detail::require_active(w, active, st.num_seqs(), true);
   detail::require_not_null(w, "status", status);
   detail::require_input(w, st, in, cache);
   if (st.history.keys) {

@@ -32,10 +32,12 @@ inline void require_tokens(const site& w, const batch_state_view& st, std::int32
     fail<out_of_range>(w, "tokens", "= ", tokens, " is outside [1, capacity = ", st.capacity(), "]");
 }
 
-/// target in [sinks + recent, capacity]; `greedy`: whether the call takes
-/// the step's queries, which exact_greedy's greedy rounds need and only it
-/// uses.
+/// target in [sinks + recent, capacity], and a victim_scratch, where every
+/// policy's evict_to lists its victims and holes; `greedy`: whether the
+/// call takes the step's queries, which exact_greedy's greedy rounds need
+/// and only it uses.
 inline void require_target(const site& w, const batch_state_view& st, std::int32_t target, bool greedy = false) {
+  require_not_null(w, "state.victim_scratch", st.victim_scratch);
   if (st.history.keys && !greedy)
     fail<invalid_argument>(w, "state", "is exact_greedy's: its greedy evict_to re-scores the tokens with the "
                                        "step's queries; call the batched_evict_to overload that takes them "
@@ -54,7 +56,6 @@ inline void require_target(const site& w, const batch_state_view& st, std::int32
 template <class Q>
 void require_greedy_queries(const site& w, const batch_state_view& st, const batch_queries<Q>& in) {
   require_history(w, st);
-  require_not_null(w, "state.victim_scratch", st.victim_scratch);
   require_batch_extents(w, "q", in.q, {st.num_seqs(), st.num_q_heads, st.history.head_dim}, false);
   require_batch_extents(w, "lse", in.lse, {st.num_seqs(), st.num_q_heads}, false);
   require_scale(w, in.scale);

@@ -211,7 +211,7 @@ struct query_source {
     }
     const T* key = cache.k_row(b, h, s);
     return fold_group(h * group_size, group_size, reduce, true, [&](std::int32_t q) {
-      const float logit = attention_logit(&in.q(b, q, 0), in.q.strides[2], key, cache.head_dim);
+      const float logit = attention_logit_rows(&in.q(b, q, 0), in.q.strides[2], key, cache.head_dim);
       return detail::logit_value(logit, in.scale, in.lse(b, q), in.base);
     });
   }

@@ -7,70 +7,41 @@
 // whatever order blocks or threads run in, on every device. The word is
 // sticky: it stays set until the caller clears it, so an engine may check it
 // once every few steps. throw_if_error turns it into the library's exception.
+// The codes and the packing are status_code.hpp's (below the rules).
 #include <cstdint>
 #include <string>
 
 #include "kvevict/config.hpp"
 #include "kvevict/error.hpp"
+#include "kvevict/status_code.hpp"
 
 namespace kvevict {
 
-/// What went wrong in a batched call. `index` in the status is the slot for
-/// per-slot inputs, the query head for LSE and query rows, and the head
-/// dimension element's slot for K/V rows.
-enum class batch_code : std::uint32_t {
-  ok = 0,
-  nan_input = 1,             ///< NaN in probabilities, increments or logits
-  infinite_input = 2,        ///< +-inf in probabilities, increments or logits
-  negative_probability = 3,  ///< a probability (or one computed from logits) below 0
-  non_finite_lse = 4,        ///< NaN or inf LSE of query head `index`
-  non_finite_query = 5,      ///< NaN or inf in query head `index`
-  score_overflow = 6,        ///< the score of slot `index` would become non-finite
-  no_free_slot = 7,          ///< append with a head at budget + 1 tokens (evict first)
-  bad_sequence = 8,          ///< an active-list entry outside [0, num_seqs)
-  bad_page = 9,              ///< a page id outside [0, num_pages) for slot `index`
-  non_finite_kv = 10,        ///< exact_greedy: NaN or inf in the K/V row of slot `index`
-  history_full = 11,         ///< exact_greedy: the sequence outgrew max_tokens
-  history_gap = 12,          ///< exact_greedy: a step was appended but never observed
-  not_appended = 13,         ///< observe + evict with no append since the last one
-  bad_stream = 14,           ///< CUDA reset: a random stream above max_random_stream
-  bad_count = 15,            ///< a selection's k, or evict_to's target, outside what segment `index` allows
-  not_empty = 16,            ///< prefill of a sequence that already holds tokens (reset it first)
-  bad_length = 17,           ///< a prompt length outside [1, capacity] (index: the length)
-  over_capacity = 18,        ///< appending `index` tokens would exceed the capacity
-  not_observed = 19,         ///< evict_to after an append with no observe + evict since
-  narrow_input = 20,         ///< the input has fewer columns than the head holds tokens (`index`)
-};
-
-/// The value of a clear status word.
-inline constexpr std::uint64_t batch_status_clear = ~std::uint64_t{0};
-
-/// Field widths of the packed word, most significant first:
-/// sequence 20 bits, head 12, index 26, code 6.
-struct batch_status_limits {
-  static constexpr std::int64_t max_seqs = std::int64_t{1} << 20;
-  static constexpr std::int64_t max_heads = std::int64_t{1} << 12;
-  static constexpr std::int64_t max_index = std::int64_t{1} << 26;
-};
-
-KVEVICT_HOST_DEVICE inline std::uint64_t pack_status(std::int32_t b, std::int32_t h, std::int32_t index,
-                                                     batch_code code) noexcept {
-  return (std::uint64_t(std::uint32_t(b)) << 44) | (std::uint64_t(std::uint32_t(h) & 0xFFFu) << 32) |
-         (std::uint64_t(std::uint32_t(index) & 0x3FFFFFFu) << 6) | std::uint64_t(code);
-}
-
-/// An unpacked status word.
+/// An unpacked status word. For bad_sequence there is no sequence: `entry`
+/// is the active-list position and `index` the value it holds; for
+/// repeated_sequence `entry` and `index` are the position of the repeat.
 struct batch_status {
   batch_code code = batch_code::ok;
   std::int32_t sequence = -1, head = -1, index = -1;
+  std::int32_t entry = -1;  ///< the active-list position, for the codes about a list entry
 
   static batch_status unpack(std::uint64_t word) noexcept {
     batch_status s;
     if (word == batch_status_clear) return s;
     s.code = static_cast<batch_code>(word & 0x3Fu);
-    s.index = static_cast<std::int32_t>((word >> 6) & 0x3FFFFFFu);
+    if (s.code == batch_code::ok || s.code > last_recorded_code) {  // no call writes such a word
+      s.code = batch_code::bad_status_word;
+      return s;
+    }
+    const std::int32_t raw = static_cast<std::int32_t>((word >> 6) & 0x3FFFFFFu);
+    s.index = raw >= (1 << 25) ? raw - (1 << 26) : raw;  // 26-bit two's complement
     s.head = static_cast<std::int32_t>((word >> 32) & 0xFFFu);
     s.sequence = static_cast<std::int32_t>(word >> 44);
+    if (s.code == batch_code::bad_sequence) {
+      s.entry = s.sequence;
+      s.sequence = s.head = -1;
+    }
+    if (s.code == batch_code::repeated_sequence) s.entry = s.index;
     return s;
   }
   bool ok() const noexcept { return code == batch_code::ok; }
@@ -100,20 +71,66 @@ inline const char* describe(batch_code code) noexcept {
     case batch_code::not_observed: return "evict_to after an append that was not observed";
     case batch_code::narrow_input:
       return "the input has fewer columns than the head holds tokens (after a multi-token append)";
+    case batch_code::repeated_sequence:
+      return "the active list names this sequence more than once; no entry naming it stepped";
+    case batch_code::bad_status_word:
+      return "the word is not one a batched call writes: initialise it to batch_status_clear (all ones); a "
+             "word of 0 is below every problem, so no refusal could be recorded in it";
   }
   return "unknown status code";
 }
 
+namespace detail {
+
+/// What the index of a status word with `code` counts ("" where it is 0).
+inline const char* status_index_meaning(batch_code code) noexcept {
+  switch (code) {
+    case batch_code::non_finite_lse:
+    case batch_code::non_finite_query: return "the query head";
+    case batch_code::bad_length: return "the prompt length";
+    case batch_code::over_capacity: return "the tokens appended";
+    case batch_code::narrow_input: return "the tokens the head holds";
+    case batch_code::bad_count: return "the segment";
+    case batch_code::bad_stream: return "the active-list entry";
+    case batch_code::nan_input:
+    case batch_code::infinite_input:
+    case batch_code::negative_probability:
+    case batch_code::score_overflow:
+    case batch_code::bad_page:
+    case batch_code::non_finite_kv: return "the slot";
+    default: return "";
+  }
+}
+
+/// Where a status word points, in words: the list entry, or the sequence,
+/// head and index (with what the index counts).
+inline std::string status_place(const batch_status& s) {
+  if (s.code == batch_code::bad_sequence)
+    return concat("active-list entry ", s.entry, " is ", s.index, ": ", describe(s.code),
+                  " (that entry stepped nothing)");
+  if (s.code == batch_code::repeated_sequence)
+    return concat("at sequence ", s.sequence, ", active-list entry ", s.entry, ": ", describe(s.code),
+                  " (that sequence was left unchanged)");
+  const char* meaning = status_index_meaning(s.code);
+  return concat("at sequence ", s.sequence, ", head ", s.head, ", index ", s.index,
+                *meaning ? concat(" (", meaning, ")") : std::string(), ": ", describe(s.code),
+                " (that head was left unchanged)");
+}
+
+}  // namespace detail
+
 /// Throws the library's exception for a status word that is not clear:
 /// non_finite_error, invalid_argument, out_of_range or state_error, naming
-/// the call, the sequence, head and index.
+/// the call, the sequence, head and index (or the active-list entry). A
+/// word that no call writes (0, from a word initialised to 0) throws
+/// invalid_argument naming 'status': it would have hidden every refusal.
 inline void throw_if_error(std::uint64_t word, const char* call = "batched call") {
   const batch_status s = batch_status::unpack(word);
   if (s.ok()) return;
   const detail::site where{"batch", call};
-  const std::string at =
-      detail::concat("at sequence ", s.sequence, ", head ", s.head, ", index ", s.index, ": ", describe(s.code),
-                     " (that head was left unchanged)");
+  if (s.code == batch_code::bad_status_word)
+    detail::fail<invalid_argument>(where, "status", "= ", word, ": ", describe(s.code));
+  const std::string at = detail::status_place(s);
   switch (s.code) {
     case batch_code::nan_input:
     case batch_code::infinite_input:
@@ -133,6 +150,7 @@ inline void throw_if_error(std::uint64_t word, const char* call = "batched call"
     case batch_code::history_full:
     case batch_code::history_gap:
     case batch_code::not_appended: detail::fail_state<state_error>(where, at);
+    case batch_code::repeated_sequence:
     default: detail::fail_state<invalid_argument>(where, at);
   }
 }

@@ -5,6 +5,7 @@
 // "Batched steps").
 #include <cstdint>
 
+#include "kvevict/batch/inputs.hpp"
 #include "kvevict/batch/state.hpp"
 #include "kvevict/batch/status.hpp"
 #include "kvevict/config.hpp"
@@ -59,6 +60,14 @@ KVEVICT_HOST_DEVICE inline void commit_append(const batch_state_view& st, std::i
                                               std::int32_t position) noexcept {
   const std::int64_t bh = st.head_index(b, h);
   commit_append(st, b, h, position, st.slots.next_slots[bh], st.slots.counts[bh], st.score_buffer[bh]);
+}
+
+/// Whether observe + evict skips (b, h): in a retry, a head that is not
+/// waiting for its observation, which it took in the call retried. Nothing
+/// is reported or written for it.
+KVEVICT_HOST_DEVICE inline bool observe_skips(const batch_state_view& st, const active_set& active, std::int32_t b,
+                                              std::int32_t h) noexcept {
+  return active.retry && !st.appended[st.head_index(b, h)];
 }
 
 /// Observe + evict, the commit: the updated scores in the spare buffer

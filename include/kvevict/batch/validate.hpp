@@ -16,6 +16,27 @@
 namespace kvevict {
 namespace detail {
 
+/// The rule a state view carries, which a caller may have edited: enum
+/// values in range (one outside them was read as a default, differently on
+/// different paths), a budget within the capacity, and protected ends
+/// within the budget (prefill plans its keep ranges from them).
+inline void require_rule(const site& w, const batch_state_view& st) {
+  const decode_rule& r = st.rule;
+  if (r.victim != victim_rule::lowest_score && r.victim != victim_rule::oldest && r.victim != victim_rule::random_priority)
+    fail<invalid_argument>(w, "state.rule.victim", "= ", static_cast<int>(r.victim),
+                           " is not a victim_rule (lowest_score, oldest or random_priority)");
+  require_group_reduce(w, "state.rule.reduce", r.reduce);
+  if (r.budget < 1 || st.slots.capacity < std::int64_t{r.budget} + 1)
+    fail<budget_error>(w, "state.rule.budget", "= ", r.budget, " does not fit capacity ", st.slots.capacity);
+  if (r.protect.sinks < 0)
+    fail<budget_error>(w, "state.rule.protect.sinks", "= ", r.protect.sinks, " is negative");
+  if (r.protect.recent < 0)
+    fail<budget_error>(w, "state.rule.protect.recent", "= ", r.protect.recent, " is negative");
+  if (std::int64_t{r.protect.sinks} + r.protect.recent > r.budget)
+    fail<budget_error>(w, "state.rule.protect", "sinks + recent = ", std::int64_t{r.protect.sinks} + r.protect.recent,
+                       " exceeds the budget ", r.budget);
+}
+
 inline void require_state(const site& w, const batch_state_view& st) {
   require_not_null(w, "state.slots.positions", st.slots.positions);
   require_not_null(w, "state.slots.counts", st.slots.counts);
@@ -30,8 +51,7 @@ inline void require_state(const site& w, const batch_state_view& st) {
   if (st.num_q_heads % st.slots.num_heads != 0)
     fail<invalid_argument>(w, "state.num_q_heads", "= ", st.num_q_heads, " is not a multiple of num_heads = ",
                            st.slots.num_heads);
-  if (st.rule.budget < 1 || st.slots.capacity < std::int64_t{st.rule.budget} + 1)
-    fail<budget_error>(w, "state.rule.budget", "= ", st.rule.budget, " does not fit capacity ", st.slots.capacity);
+  require_rule(w, st);
   if (st.rule.victim == victim_rule::random_priority) require_not_null(w, "state.streams", st.streams);
 }
 
@@ -48,7 +68,11 @@ inline void require_history(const site& w, const batch_state_view& st) {
                            st.slots.capacity);
 }
 
-inline void require_active(const site& w, const active_set& active, std::int32_t num_seqs) {
+/// `accepts_retry`: the call is observe + evict, the one a retry set means something to.
+inline void require_active(const site& w, const active_set& active, std::int32_t num_seqs,
+                           bool accepts_retry = false) {
+  if (active.retry && !accepts_retry)
+    fail<invalid_argument>(w, "active.retry", "is set: only observe + evict takes a retry set");
   switch (active.mode) {
     case active_set::kind::all: return;
     case active_set::kind::flags: return require_not_null(w, "active.flags", active.flags);

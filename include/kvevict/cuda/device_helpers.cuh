@@ -62,14 +62,25 @@ __device__ inline void give_up(std::int64_t bh, std::uint64_t word, std::int32_t
   if (victims) victims[bh] = -1;
 }
 
-/// The sequence of active entry `entry`, -1 when inactive; reports a list
-/// entry that is not a sequence index (by thread 0 of the calling block, for
-/// head 0 only, so once).
+/// The sequence of active entry `entry`, or -1 when it steps nothing,
+/// checked as the host checks it (detail::check_entry: an index outside the
+/// batch, or a sequence other entries name too, steps nothing). The block's
+/// threads share the scan of a list for repeats; the entry's status word is
+/// reported once, by thread 0 of the block whose `head` is 0. Every thread
+/// of the block calls it (it has barriers).
 __device__ inline std::int32_t entry_sequence(const active_set& active, std::int32_t entry, std::int32_t num_seqs,
                                               std::int32_t head, std::uint64_t* status) {
   const std::int32_t b = active.sequence(entry, num_seqs);
-  if (b == -2 && head == 0 && threadIdx.x == 0) report(status, pack_status(entry, 0, 0, batch_code::bad_sequence));
-  return b;
+  std::uint32_t repeats = 0;
+  if (b >= 0 && active.mode == active_set::kind::list) {  // the same branch in every thread
+    const std::uint32_t mine = kvevict::detail::list_repeats(active, entry, b, static_cast<std::int32_t>(threadIdx.x),
+                                                             static_cast<std::int32_t>(blockDim.x));
+    repeats = (__syncthreads_or(static_cast<int>(mine & 1u)) ? 1u : 0u) |
+              (__syncthreads_or(static_cast<int>(mine & 2u)) ? 2u : 0u);
+  }
+  const kvevict::detail::checked_entry e = kvevict::detail::entry_after_scan(active, entry, num_seqs, repeats);
+  if (head == 0 && threadIdx.x == 0) report(status, e.word);
+  return e.sequence;
 }
 
 /// The multiprocessors of the current device (1 if it cannot be asked):

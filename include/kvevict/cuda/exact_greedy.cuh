@@ -42,7 +42,7 @@ __global__ void __launch_bounds__(BlockThreads)
   const std::int32_t entry = static_cast<std::int32_t>(blockIdx.x) / st.num_heads();
   const std::int32_t h = static_cast<std::int32_t>(blockIdx.x) % st.num_heads();
   const std::int32_t b = entry_sequence(active, entry, st.num_seqs(), h, status);
-  if (b < 0) return;
+  if (b < 0 || kvevict::detail::observe_skips(st, active, b, h)) return;  // a retry skips a head that stepped
   const std::int32_t t = static_cast<std::int32_t>(threadIdx.x);
   const history_view& hv = st.history;
   const std::int64_t bh = st.head_index(b, h);

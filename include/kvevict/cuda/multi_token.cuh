@@ -214,6 +214,7 @@ struct evict_keys {
     return b >= 0 ? st.head_index(b, i % st.num_heads()) : -1;
   }
   __device__ std::int32_t length(std::int32_t i) const {
+    if (st.work.evict_counts[i] == 0) return 0;  // unplanned, refused, inactive or a repeat: nothing to select
     const std::int64_t bh = head_of(i);
     if (bh < 0) return 0;
     const evict_to_plan& p = st.work.evict_plans[bh];

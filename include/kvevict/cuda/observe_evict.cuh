@@ -86,7 +86,7 @@ __global__ void __launch_bounds__(decode_tuning::threads, Source::min_blocks)
   const std::int32_t h = row % st.num_heads();
   // A bad list entry is reported once: by the first chunk of head 0.
   const std::int32_t b = entry_sequence(active, row / st.num_heads(), st.num_seqs(), chunk == 0 ? h : -1, status);
-  if (b < 0) return;
+  if (b < 0 || kvevict::detail::observe_skips(st, active, b, h)) return;  // a retry skips a head that stepped
   const std::int32_t t = static_cast<std::int32_t>(threadIdx.x);
   const std::int64_t bh = st.head_index(b, h);
   // Everything the row needs, loaded side by side before any branch on it.
@@ -159,7 +159,7 @@ __global__ void __launch_bounds__(decode_tuning::threads, Source::min_blocks)
 inline void require_common(const kvevict::detail::site& w, const batch_state_view& st, const active_set& active,
                            const std::uint64_t* status) {
   kvevict::detail::require_state(w, st);
-  kvevict::detail::require_active(w, active, st.num_seqs());
+  kvevict::detail::require_active(w, active, st.num_seqs(), /*accepts_retry=*/true);
   kvevict::detail::require_not_null(w, "status", status);
   if (std::int64_t{active.entries(st.num_seqs())} * st.num_heads() > 0x7FFFFFFF)
     kvevict::detail::fail<invalid_argument>(w, "active", "gives more (sequence, head) blocks than a grid holds");

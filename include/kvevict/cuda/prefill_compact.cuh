@@ -25,7 +25,7 @@ __global__ void __launch_bounds__(Threads)
   const std::int32_t segment = static_cast<std::int32_t>(blockIdx.x) * Threads + static_cast<std::int32_t>(threadIdx.x);
   if (segment >= segments) return;
   const std::int32_t entry = segment / st.num_heads();
-  const std::int32_t b = active.sequence(entry, st.num_seqs());
+  const std::int32_t b = kvevict::detail::check_entry(active, entry, st.num_seqs()).sequence;  // repeats step nothing
   std::int32_t candidates = 0, take = 0;
   if (b >= 0 && ws.seq_bad[entry] == 0) {
     const kvevict::detail::prefill_plan plan = kvevict::detail::plan_prefill(st.rule, prompts.lengths[b]);

@@ -78,7 +78,7 @@ __global__ void __launch_bounds__(Threads)
   const std::int32_t pair = static_cast<std::int32_t>(blockIdx.x) / tiles;
   const std::int32_t tile = static_cast<std::int32_t>(blockIdx.x) % tiles;
   const std::int32_t entry = pair / st.num_q_heads, q = pair % st.num_q_heads, h = q / st.group_size();
-  const std::int32_t b = active.sequence(entry, st.num_seqs());
+  const std::int32_t b = kvevict::detail::check_entry(active, entry, st.num_seqs()).sequence;  // repeats step nothing
   if (b < 0 || ws.head_refused[std::int64_t{entry} * st.num_heads() + h]) return;
   const std::int32_t length = prompts.lengths[b];
   const std::int32_t p = tile * Threads + static_cast<std::int32_t>(threadIdx.x);
@@ -132,7 +132,7 @@ __global__ void __launch_bounds__(Threads)
   const std::int32_t pair = static_cast<std::int32_t>(blockIdx.x) / tiles;
   const std::int32_t tile = static_cast<std::int32_t>(blockIdx.x) % tiles;
   const std::int32_t entry = pair / st.num_q_heads, q = pair % st.num_q_heads, h = q / st.group_size();
-  const std::int32_t b = active.sequence(entry, st.num_seqs());
+  const std::int32_t b = kvevict::detail::check_entry(active, entry, st.num_seqs()).sequence;  // repeats step nothing
   if (b < 0 || ws.head_refused[std::int64_t{entry} * st.num_heads() + h]) return;  // the whole block
   const std::int32_t length = prompts.lengths[b];
   const std::int32_t first = tile * Threads;
@@ -188,7 +188,7 @@ __global__ void __launch_bounds__(Threads)
   const std::int32_t segment = static_cast<std::int32_t>(blockIdx.x) / tiles;
   const std::int32_t tile = static_cast<std::int32_t>(blockIdx.x) % tiles;
   const std::int32_t entry = segment / st.num_heads(), h = segment % st.num_heads(), g = st.group_size();
-  const std::int32_t b = active.sequence(entry, st.num_seqs());
+  const std::int32_t b = kvevict::detail::check_entry(active, entry, st.num_seqs()).sequence;  // repeats step nothing
   if (b < 0 || ws.head_refused[segment]) return;
   const std::int32_t length = prompts.lengths[b];
   const std::int32_t p = tile * Threads + static_cast<std::int32_t>(threadIdx.x);
@@ -213,7 +213,7 @@ __global__ void __launch_bounds__(Threads)
   const std::int32_t segment = static_cast<std::int32_t>(blockIdx.x) / tiles;
   const std::int32_t tile = static_cast<std::int32_t>(blockIdx.x) % tiles;
   const std::int32_t entry = segment / st.num_heads(), h = segment % st.num_heads(), g = st.group_size();
-  const std::int32_t b = active.sequence(entry, st.num_seqs());
+  const std::int32_t b = kvevict::detail::check_entry(active, entry, st.num_seqs()).sequence;  // repeats step nothing
   if (b < 0 || ws.head_refused[segment]) return;
   const std::int32_t length = prompts.lengths[b];
   const std::int32_t p = tile * Threads + static_cast<std::int32_t>(threadIdx.x);

@@ -65,11 +65,13 @@ struct prefill_launch {
 };
 
 /// The (entry, head) of blockIdx.x = entry * heads + head and its sequence
-/// (-1 inactive, -2 a bad list entry).
+/// (-1 when the entry steps nothing: inactive, a bad index or a repeat).
 struct prefill_head {
   std::int32_t entry, h, b;
   __device__ prefill_head(const batch_state_view& st, const active_set& active, std::int32_t index)
-      : entry(index / st.num_heads()), h(index % st.num_heads()), b(active.sequence(entry, st.num_seqs())) {}
+      : entry(index / st.num_heads()),
+        h(index % st.num_heads()),
+        b(kvevict::detail::check_entry(active, entry, st.num_seqs()).sequence) {}
   __device__ std::int64_t segment(const batch_state_view& st) const { return std::int64_t{entry} * st.num_heads() + h; }
 };
 

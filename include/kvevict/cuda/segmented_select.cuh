@@ -44,6 +44,7 @@
 #include "kvevict/cuda/radix_select.cuh"
 #include "kvevict/error.hpp"
 #include "kvevict/select/device_plan.hpp"
+#include "kvevict/select/select_checks.hpp"
 #include "kvevict/select/segments.hpp"
 
 namespace kvevict {
@@ -419,6 +420,8 @@ inline cudaError_t segmented_select(void* workspace, std::size_t& workspace_byte
                                     select_end end, const selection_count& count, const selection_output& out,
                                     std::uint64_t* status, cudaStream_t stream) {
   const kvevict::detail::site w{"cuda", "segmented_select"};
+  kvevict::detail::require_select_end(w, end);
+  kvevict::detail::require_select_strides(w, keys, count.ks ? keys.max_length : count.k, out);
   if (keys.num_segments > 0 && keys.max_length > 0) kvevict::detail::require_not_null(w, "keys.scores", keys.scores);
   if (keys.stride < keys.max_length)
     kvevict::detail::fail<invalid_argument>(w, "keys.stride", "= ", keys.stride, " is below keys.max_length = ",

@@ -15,13 +15,13 @@
 //     Philox priorities included.
 #include <cstdint>
 
-#include "kvevict/batch/status.hpp"
 #include "kvevict/config.hpp"
 #include "kvevict/detail/reproducible_math.hpp"
 #include "kvevict/dtype/convert.hpp"
 #include "kvevict/order.hpp"
 #include "kvevict/philox.hpp"
 #include "kvevict/score_inputs.hpp"
+#include "kvevict/status_code.hpp"
 
 namespace kvevict {
 
@@ -152,32 +152,32 @@ KVEVICT_HOST_DEVICE KVEVICT_REPRODUCIBLE inline float probability_from_logit(flo
   return static_cast<float>(reproducible_exp(detail::sub(detail::mul(double(logit), double(scale)), natural)));
 }
 
-/// q . k in float for a cached key row k (contiguous) and a query row q
-/// (stride q_stride), in the order every backend uses: products summed left
-/// to right within chunks of 16 bytes of K (16 / sizeof(K) elements; a GPU
-/// lane's vector load), then the chunk sums combined pairwise, as a balanced
-/// tree over a power-of-two count with +0 for the missing chunks. The tree
-/// is built as a binary counter (level[i]: a finished subtree of 2^i
-/// chunks) whose levels are only ever indexed by unrolled constants, so a
-/// GPU keeps them in registers.
 namespace detail {
 
-/// attention_logit with room for a tree of 2^(Levels - 1) chunks; Levels is
-/// a compile-time bound so that a GPU keeps the levels in registers.
-template <int Levels, class Q, class K>
-KVEVICT_HOST_DEVICE KVEVICT_REPRODUCIBLE inline float chunk_tree_logit(const Q* q, std::int64_t q_stride, const K* k,
-                                                                       std::int32_t head_dim) noexcept {
+/// One chunk of q . k: q[d] * k[d] for d in [0, n), summed left to right,
+/// products and sums unfused. `k` may be a copy of the chunk in registers
+/// (a GPU's 16-byte load): the arithmetic is the same.
+template <class Q, class K>
+KVEVICT_HOST_DEVICE KVEVICT_REPRODUCIBLE inline float chunk_dot(const Q* q, std::int64_t q_stride, const K* k,
+                                                                std::int32_t n) noexcept {
   KVEVICT_FP_CONTRACT_OFF
-  constexpr std::int32_t chunk = static_cast<std::int32_t>(16 / sizeof(K));
+  float v = mul(to_float(q[0]), to_float(k[0]));
+  for (std::int32_t d = 1; d < n; ++d) v = add(v, mul(to_float(q[d * q_stride]), to_float(k[d])));
+  return v;
+}
+
+/// The balanced tree over chunk_sum(c), c in [0, chunks), padded with +0 to
+/// a power of two, built as a binary counter (level i: a finished subtree of
+/// 2^i chunks) whose levels are indexed only by unrolled constants, so a GPU
+/// keeps them in registers. Room for 2^(Levels - 1) chunks.
+KVEVICT_EXEC_CHECK_DISABLE
+template <int Levels, class ChunkSum>
+KVEVICT_HOST_DEVICE KVEVICT_REPRODUCIBLE inline float chunk_tree(std::int32_t chunks, ChunkSum chunk_sum) {
+  KVEVICT_FP_CONTRACT_OFF
   float level[Levels] = {};  // every level is written before it is read; zeroed for the compilers' sake
   std::uint32_t pushed = 0;  // chunks pushed so far; bit i set when level[i] holds a subtree
-  for (std::int32_t c = 0; c < head_dim || (pushed & (pushed - 1u)); c += chunk) {
-    float v = 0.0f;  // past head_dim: +0 pads the count to a power of two
-    if (c < head_dim) {
-      const std::int32_t end = c + chunk < head_dim ? c + chunk : head_dim;
-      v = mul(to_float(q[c * q_stride]), to_float(k[c]));
-      for (std::int32_t d = c + 1; d < end; ++d) v = add(v, mul(to_float(q[d * q_stride]), to_float(k[d])));
-    }
+  for (std::int32_t c = 0; c < chunks || (pushed & (pushed - 1u)); ++c) {
+    float v = c < chunks ? chunk_sum(c) : 0.0f;  // past the last chunk: +0 pads the count to a power of two
     bool placed = false;  // push v: merge it with the finished subtrees of its size
     KVEVICT_UNROLL
     for (int i = 0; i < Levels; ++i) {
@@ -198,6 +198,16 @@ KVEVICT_HOST_DEVICE KVEVICT_REPRODUCIBLE inline float chunk_tree_logit(const Q* 
   return root;
 }
 
+template <int Levels, class Q, class K>
+KVEVICT_HOST_DEVICE inline float chunk_tree_logit(const Q* q, std::int64_t q_stride, const K* k,
+                                                  std::int32_t head_dim) noexcept {
+  constexpr std::int32_t chunk = static_cast<std::int32_t>(16 / sizeof(K));
+  return chunk_tree<Levels>((head_dim + chunk - 1) / chunk, [&](std::int32_t c) {
+    const std::int32_t first = c * chunk;
+    return chunk_dot(q + first * q_stride, q_stride, k + first, head_dim - first < chunk ? head_dim - first : chunk);
+  });
+}
+
 /// Any int32 head_dim, out of line: rare, and its 32 levels would size the
 /// registers of every caller.
 template <class Q, class K>
@@ -206,21 +216,57 @@ KVEVICT_HOST_DEVICE KVEVICT_NOINLINE float wide_tree_logit(const Q* q, std::int6
   return chunk_tree_logit<32>(q, q_stride, k, head_dim);
 }
 
+/// The element-wise path of attention_logit_rows, out of line: rows that
+/// are not 16-byte aligned are rare, and its registers would size the
+/// caller's.
+template <class Q, class K>
+KVEVICT_HOST_DEVICE KVEVICT_NOINLINE float unaligned_logit(const Q* q, std::int64_t q_stride, const K* k,
+                                                           std::int32_t head_dim) noexcept;
+
 }  // namespace detail
 
 /// q . k in float for a cached key row k (contiguous) and a query row q
 /// (stride q_stride), in the order every backend uses: products summed left
 /// to right within chunks of 16 bytes of K (16 / sizeof(K) elements; a GPU
 /// lane's vector load), then the chunk sums combined pairwise, as a balanced
-/// tree over a power-of-two count with +0 for the missing chunks. The tree
-/// is built as a binary counter (level i: a finished subtree of 2^i chunks);
-/// head dims up to 256 chunks (2048 bf16 elements) keep it in 9 levels.
+/// tree over a power-of-two count with +0 for the missing chunks. Head dims
+/// up to 256 chunks (2048 bf16 elements) keep the tree in 9 levels.
 template <class Q, class K>
 KVEVICT_HOST_DEVICE inline float attention_logit(const Q* q, std::int64_t q_stride, const K* k,
                                                  std::int32_t head_dim) noexcept {
   constexpr std::int32_t chunk = static_cast<std::int32_t>(16 / sizeof(K));
   if (head_dim <= 256 * chunk) return detail::chunk_tree_logit<9>(q, q_stride, k, head_dim);
   return detail::wide_tree_logit(q, q_stride, k, head_dim);
+}
+
+namespace detail {
+template <class Q, class K>
+KVEVICT_HOST_DEVICE KVEVICT_NOINLINE float unaligned_logit(const Q* q, std::int64_t q_stride, const K* k,
+                                                           std::int32_t head_dim) noexcept {
+  return attention_logit(q, q_stride, k, head_dim);
+}
+}  // namespace detail
+
+/// attention_logit, with the key row read as 16-byte vectors on a GPU when
+/// its chunks are whole and aligned (a thread's loads are then a few
+/// LDG.128 instead of one per element): the same chunks, the same bits.
+template <class Q, class K>
+KVEVICT_HOST_DEVICE inline float attention_logit_rows(const Q* q, std::int64_t q_stride, const K* k,
+                                                      std::int32_t head_dim) noexcept {
+#if defined(__CUDA_ARCH__)
+  constexpr std::int32_t chunk = static_cast<std::int32_t>(16 / sizeof(K));
+  struct alignas(16) chunk_of {
+    K v[chunk];
+  };
+  if (head_dim % chunk == 0 && head_dim <= 256 * chunk && reinterpret_cast<std::uintptr_t>(k) % 16 == 0)
+    return detail::chunk_tree<9>(head_dim / chunk, [&](std::int32_t c) {
+      const chunk_of loaded = reinterpret_cast<const chunk_of*>(k)[c];
+      return detail::chunk_dot(q + std::int64_t{c} * chunk * q_stride, q_stride, loaded.v, chunk);
+    });
+  return detail::unaligned_logit(q, q_stride, k, head_dim);
+#else
+  return attention_logit(q, q_stride, k, head_dim);
+#endif
 }
 
 /// The victim among the occupied slots [0, width) of one (sequence, head)

@@ -58,6 +58,7 @@ class exact_greedy_policy : public policy_base<exact_greedy_policy> {
         config_(config),
         hist_k_(std::size_t(shape.num_seqs) * shape.num_kv_heads),
         hist_v_(hist_k_.size()),
+        scales_(std::size_t(shape.num_seqs), 1.0f),
         members_(std::size_t(shape.capacity)),
         member_slots_(std::size_t(shape.capacity)),
         errors_(std::size_t(shape.capacity)) {}
@@ -87,7 +88,7 @@ class exact_greedy_policy : public policy_base<exact_greedy_policy> {
     for (std::int32_t h = 0; h < shape_.num_kv_heads; ++h)
       for (std::int32_t p = history_length(b, h); p < len; ++p) record(view, b, h, p, slots_.slot_of(b, h, p));
     load_queries(b, in.q);
-    scale_ = in.scale;
+    scales_[std::size_t(b)] = in.scale;
     for (std::int32_t h = 0; h < shape_.num_kv_heads; ++h) evaluate(b, h);
     unobserved_[std::size_t(b)] = 0;
   }
@@ -114,16 +115,16 @@ class exact_greedy_policy : public policy_base<exact_greedy_policy> {
     for (std::int32_t h = 0; h < shape_.num_kv_heads; ++h)
       for (std::int32_t p = 0; p < length; ++p) record(view, b, h, p, p);
     load_queries(b, last_row.q);
-    scale_ = last_row.scale;
+    scales_[std::size_t(b)] = last_row.scale;
     std::fill(scratch_.begin(), scratch_.end(), 0.0f);
     return commit_prefill(w, b, length, &view);
   }
 
   /// evict_to, greedily: one victim at a time, the leave-one-out errors of
-  /// the tokens left recomputed (with the last observed queries) before each
-  /// victim, so an evict since the observe is accounted for. Right after an
-  /// observe the first round re-scores the same set to the same bits: the
-  /// first victim is evict's.
+  /// the tokens left recomputed (with the sequence's last observed queries
+  /// and scale) before each victim, so an evict since the observe is
+  /// accounted for. Right after an observe the first round re-scores the
+  /// same set to the same bits: the first victim is evict's.
   std::int32_t free_surplus(std::int32_t b, std::int32_t h, std::int32_t target) {
     const std::int32_t surplus = slots_.count(b, h) - target;
     for (std::int32_t round = 0; round < surplus; ++round) {
@@ -238,8 +239,8 @@ class exact_greedy_policy : public policy_base<exact_greedy_policy> {
     std::fill_n(errors_.begin(), n, 0.0);
     for (std::int32_t j = 0; j < g; ++j)
       leave_one_out_errors(queries_.data() + query_offset(b, h * g + j), 1, history_keys(b, h),
-                           history_values(b, h), head_dim_, scale_, rows, cached_.data(), members, n, errors_.data(),
-                           work_.data());
+                           history_values(b, h), head_dim_, scales_[std::size_t(b)], rows, cached_.data(), members,
+                           n, errors_.data(), work_.data());
   }
 
   /// Scores every cached slot of (b, h) with its eviction error.
@@ -264,11 +265,11 @@ class exact_greedy_policy : public policy_base<exact_greedy_policy> {
   exact_greedy_config config_;
   std::vector<std::vector<float>> hist_k_, hist_v_;  // [B * Hkv][position][head_dim]
   std::vector<float> queries_;                       // [B][Hq][head_dim]: each sequence's last query rows
+  std::vector<float> scales_;                        // [B]: the softmax scale they came with (evict_to re-scores)
   std::vector<std::int32_t> members_, member_slots_;  // cached positions of one (b, h) and their slots
   mutable std::vector<double> errors_, work_;         // [capacity] errors, leave-one-out scratch
   mutable std::vector<unsigned char> cached_;         // [history rows] 1 for the cached positions
   std::int32_t head_dim_ = 0;
-  float scale_ = 1.0f;
 };
 
 }  // namespace kvevict

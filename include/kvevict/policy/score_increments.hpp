@@ -14,6 +14,7 @@
 #include "kvevict/kv_view.hpp"
 #include "kvevict/policy/decode_rules.hpp"
 #include "kvevict/score_inputs.hpp"
+#include "kvevict/tensor_checks.hpp"
 #include "kvevict/tensor_view.hpp"
 
 namespace kvevict {
@@ -78,6 +79,8 @@ void reduce_groups(const Where& where, const char* arg, const group_info& g, std
   }
 }
 
+/// A data pointer, the extents expected (exactly, or at least where
+/// at_least[d]) and strides as require_strides wants.
 template <class Where, class V>
 void require_extents(const Where& where, const char* arg, const V& view, const std::int32_t* expected,
                      const bool* at_least) {
@@ -88,6 +91,7 @@ void require_extents(const Where& where, const char* arg, const V& view, const s
       fail<invalid_argument>(where, concat(arg, ".extents[", d, "]"), "= ", view.extents[d], ", expected ",
                              at_least[d] ? "at least " : "", expected[d]);
   }
+  require_strides(where, arg, view);
 }
 
 template <class Where, class Q>

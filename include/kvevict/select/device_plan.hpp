@@ -8,7 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "kvevict/batch/status.hpp"
+#include "kvevict/status_code.hpp"
 #include "kvevict/config.hpp"
 #include "kvevict/error.hpp"
 #include "kvevict/select/segments.hpp"

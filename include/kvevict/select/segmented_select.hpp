@@ -25,6 +25,7 @@
 #include <utility>
 
 #include "kvevict/error.hpp"
+#include "kvevict/select/select_checks.hpp"
 #include "kvevict/select/segments.hpp"
 
 namespace kvevict {
@@ -350,8 +351,9 @@ void select_segments(void* workspace, std::size_t /*bytes*/, const Keys& keys, s
 }
 
 template <class Where>
-void validate_select(const Where& where, const segment_set& keys, const selection_count& count,
+void validate_select(const Where& where, const segment_set& keys, select_end end, const selection_count& count,
                      const selection_output& out) {
+  require_select_end(where, end);
   if (keys.num_segments < 0) fail<invalid_argument>(where, "keys.num_segments", "= ", keys.num_segments, " is negative");
   if (keys.max_length < 0) fail<invalid_argument>(where, "keys.max_length", "= ", keys.max_length, " is negative");
   if (keys.num_segments > 0 && keys.max_length > 0) require_not_null(where, "keys.scores", keys.scores);
@@ -373,6 +375,7 @@ void validate_select(const Where& where, const segment_set& keys, const selectio
   if (out.mask && out.mask_stride < keys.max_length)
     fail<invalid_argument>(where, "out.mask_stride", "= ", out.mask_stride, " is below keys.max_length = ",
                            keys.max_length);
+  require_select_strides(where, keys, largest_k, out);
 }
 
 }  // namespace detail
@@ -388,7 +391,7 @@ inline std::size_t segmented_select_workspace_bytes(const segment_set& keys) {
 inline void segmented_select(void* workspace, std::size_t workspace_bytes, const segment_set& keys, select_end end,
                              const selection_count& count, const selection_output& out) {
   constexpr const char* where = "segmented_select";
-  detail::validate_select(where, keys, count, out);
+  detail::validate_select(where, keys, end, count, out);
   detail::require_not_null(where, "workspace", workspace);
   const std::size_t needed = detail::select_workspace_bytes(keys);
   if (workspace_bytes < needed)
@@ -400,7 +403,7 @@ inline void segmented_select(void* workspace, std::size_t workspace_bytes, const
 /// As above, with a workspace of its own.
 inline void segmented_select(const segment_set& keys, select_end end, const selection_count& count,
                              const selection_output& out) {
-  detail::validate_select("segmented_select", keys, count, out);
+  detail::validate_select("segmented_select", keys, end, count, out);
   const std::size_t bytes = detail::select_workspace_bytes(keys);
   const std::unique_ptr<unsigned char[]> workspace(new unsigned char[bytes]);  // uninitialised: all written first
   detail::select_segments(workspace.get(), bytes, keys, end, count, out);
