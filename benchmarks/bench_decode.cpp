@@ -90,6 +90,17 @@ struct h2o_setup {
   static constexpr const char* name = "h2o";
   static h2o_config config(std::int32_t budget) { return {budget - kvbench::kRecent, kvbench::kRecent}; }
 };
+/// TOVA: h2o with decay 0 (and h2o's sum over the group, so the two rows
+/// differ only in the decayed update).
+struct tova_setup {
+  using policy = h2o_policy;
+  static constexpr const char* name = "tova";
+  static h2o_config config(std::int32_t budget) {
+    h2o_config c = h2o_setup::config(budget);
+    c.decay = 0.0f;
+    return c;
+  }
+};
 struct recent_window_setup {
   using policy = recent_window_policy;
   static constexpr const char* name = "recent_window";
@@ -431,6 +442,7 @@ const int registered = [] {
                                  input_kind::probs_shared, pl)
         ->Unit(unit_of(sc));
     register_policy<h2o_setup>(sc, input_kind::logits, pl);
+    register_policy<tova_setup>(sc, input_kind::probs, pl);
     register_policy<recent_window_setup>(sc, input_kind::probs, pl);
     register_policy<random_setup>(sc, input_kind::probs, pl);
     benchmark::RegisterBenchmark(name("fused_loop", "head_scores", sc, pl, "f32").c_str(), fused_loop, sc,

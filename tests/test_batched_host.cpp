@@ -20,6 +20,7 @@
 #include "support/batch_streams.hpp"
 #include "support/caches.hpp"
 #include "support/state_invariants.hpp"
+#include "support/h2o_draws.hpp"
 
 namespace {
 
@@ -31,8 +32,8 @@ template <class Policy>
 typename policy_traits<Policy>::config_type draw_config(std::mt19937& rng, std::int32_t& budget) {
   auto pick = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
   if constexpr (std::is_same_v<Policy, h2o_policy>) {
-    h2o_config c{pick(0, 4), pick(1, 4), static_cast<group_reduce>(pick(0, 2))};
-    budget = c.heavy + c.recent;
+    const h2o_config c = kvtest::draw_h2o_config(pick, 4, 4);
+    budget = static_cast<std::int32_t>(c.budget());
     return c;
   } else if constexpr (std::is_same_v<Policy, recent_window_policy>) {
     recent_window_config c{pick(0, 3), pick(1, 5)};

@@ -323,6 +323,11 @@ TEST_CASE("state view: out-of-range enum values and protections are refused wher
   edited = l.st;
   edited.rule.victim = static_cast<victim_rule>(7);  // "oldest" on one path, "lowest score" on another
   refused(edited, "'state.rule.victim'");
+  for (const float decay : {1.5f, -0.25f, std::nanf(""), std::numeric_limits<float>::infinity()}) {
+    edited = l.st;
+    edited.rule.decay = decay;  // a score decay outside [0, 1] would grow scores without bound
+    refused(edited, "'state.rule.decay'");
+  }
   edited = l.st;
   edited.rule.protect.sinks = -1;
   refused(edited, "'state.rule.protect.sinks'");

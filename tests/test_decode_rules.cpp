@@ -243,16 +243,59 @@ TEST_CASE("out-of-range enum values are rejected, naming the argument") {
   }
 }
 
+TEST_CASE("h2o's decay and sinks: a decay outside [0, 1] or NaN and negative sinks are refused, naming the field") {
+  for (const float decay : {-0.5f, 1.0001f, std::nanf(""), std::numeric_limits<float>::infinity()}) {
+    h2o_config c{2, 2};
+    c.decay = decay;
+    CAPTURE(decay);
+    CHECK_THROWS_WITH_AS(h2o_policy(policy_shape{1, 1, 1, 5}, c), doctest::Contains("'config.decay'"), out_of_range);
+    CHECK_THROWS_AS(batch_state_bytes<h2o_policy>(policy_shape{1, 1, 1, 5}, c), out_of_range);
+  }
+  h2o_config c{2, 2};
+  c.sinks = -1;
+  CHECK_THROWS_WITH_AS(h2o_policy(policy_shape{1, 1, 1, 5}, c), doctest::Contains("'config.sinks'"), budget_error);
+  c.sinks = 1;  // budget 5: capacity 5 no longer holds the spare slot
+  CHECK_THROWS_AS(h2o_policy(policy_shape{1, 1, 1, 5}, c), budget_error);
+  CHECK(h2o_policy(policy_shape{1, 1, 1, 6}, c).rule().budget == 5);
+  c.decay = 0.0f;
+  c.sinks = 0;
+  CHECK(h2o_policy(policy_shape{1, 1, 1, 5}, c).rule().decay == 0.0f);
+}
+
+TEST_CASE("updated_score and the prefill row weights follow their definitions") {
+  // decay * score rounded to float, then the increment: never one fused operation.
+  const float score = 1.0f + 0x1p-23f, decay = 1.0f - 0x1p-24f;
+  const volatile float product = decay * score;
+  CHECK(updated_score(decay, score, -1.0f) == product - 1.0f);
+  CHECK(updated_score(1.0f, -0.0f, 0.0f) == 0.0f);
+  CHECK(updated_score(0.0f, 3e38f, 0.25f) == 0.25f);  // TOVA: the old score is gone
+  // decay^n: exact where the powers are exact, within a few ulps of the real power otherwise.
+  for (std::int32_t n = 0; n < 200; ++n) {
+    CHECK(decay_power(1.0f, n) == 1.0f);
+    CHECK(decay_power(0.0f, n) == (n == 0 ? 1.0f : 0.0f));
+    CHECK(decay_power(0.5f, n) == static_cast<float>(std::ldexp(1.0, -n)));
+    const double real = std::pow(double(0.9f), double(n));  // of the float nearest 0.9
+    CHECK(std::fabs(decay_power(0.9f, n) - real) <= 1e-6 * real * (1 + n / 8));
+  }
+  // Row i of a prompt of L weighs decay^(L - 1 - i): the last row fully.
+  CHECK(decayed_row(0.0f, 10, 9, 0.75f) == 0.75f);
+  CHECK(decayed_row(0.0f, 10, 8, 0.75f) == 0.0f);
+  CHECK(decayed_row(0.5f, 10, 7, 0.75f) == 0.1875f);
+  CHECK(decayed_row(1.0f, 10, 0, 0.75f) == 0.75f);
+}
+
 // ---- the host hot path (decode_pass.hpp) against the scalar rules it replaces ----
 
-TEST_CASE("decode_pass: the vectorised fold, add and victim search decide as fold_group and pick_victim") {
+TEST_CASE("decode_pass: the vectorised fold, decayed add and victim search decide as fold_group and pick_victim") {
   std::mt19937 rng(20261123u);
   const float specials[] = {0.0f, -0.0f, 1.0f, 0.5f, 0.25f, 1e-40f, 3e38f};
+  const float decays[] = {1.0f, 0.0f, 0.5f, 0.9f, 0.999f};  // H2O, TOVA, and moving averages between
   std::int32_t trials = 0, ties = 0;
   for (int trial = 0; trial < 4000; ++trial) {
     const std::int32_t width = 1 + std::int32_t(rng() % 37);  // not a multiple of 4 most of the time
     const std::int32_t g = 1 + std::int32_t(rng() % 5);
     const group_reduce reduce = static_cast<group_reduce>(rng() % 3);
+    const float decay = decays[rng() % 5];
     // Positions: a permutation of a window ending at length - 1, some slots free.
     const std::int32_t length = width + std::int32_t(rng() % 50);
     std::vector<std::int32_t> pos(static_cast<std::size_t>(width));
@@ -275,16 +318,18 @@ TEST_CASE("decode_pass: the vectorised fold, add and victim search decide as fol
       incs[std::size_t(s)] = inc.value;
       // Scores of any sign, signed zeros included; free slots hold +0.
       score[std::size_t(s)] = specials[rng() % 6] * (rng() % 2 ? 1.0f : -1.0f);
-      reference[std::size_t(s)] = score[std::size_t(s)] + inc.value;
+      // The definition: the decayed score rounded to float, then the increment added.
+      const volatile float decayed = decay * score[std::size_t(s)];
+      reference[std::size_t(s)] = decayed + inc.value;
     }
     // One pass: fold and add (g = 1, 2, 4, 8 in one pass, the others row by row).
     std::vector<float> next(static_cast<std::size_t>(width));
     REQUIRE(detail::fold_and_add_probability_rows([&](std::int32_t j) { return probs.data() + std::size_t(j) * width; },
-                                                  g, reduce, score.data(), pos.data(), width, next.data()));
+                                                  g, reduce, decay, score.data(), pos.data(), width, next.data()));
     CHECK(std::memcmp(next.data(), reference.data(), sizeof(float) * std::size_t(width)) == 0);
     // A row of increments (the head_scores path).
     std::vector<float> added(static_cast<std::size_t>(width));
-    REQUIRE(detail::next_scores(score.data(), incs.data(), pos.data(), width, added.data()));
+    REQUIRE(detail::next_scores(decay, score.data(), incs.data(), pos.data(), width, added.data()));
     CHECK(std::memcmp(added.data(), reference.data(), sizeof(float) * std::size_t(width)) == 0);
     for (const victim_rule victim : {victim_rule::lowest_score, victim_rule::oldest}) {
       decode_rule rule;
@@ -311,7 +356,7 @@ TEST_CASE("decode_pass: a bad element anywhere in an occupied column fails the r
   const std::vector<float> zero(width, 0.0f);
   const auto fold_and_add = [&](const std::vector<float>& score, std::int32_t g,
                                 group_reduce reduce = group_reduce::sum) {
-    return detail::fold_and_add_probability_rows([&](std::int32_t) { return row.data(); }, g, reduce, score.data(),
+    return detail::fold_and_add_probability_rows([&](std::int32_t) { return row.data(); }, g, reduce, 1.0f, score.data(),
                                                  pos.data(), width, out.data());
   };
   CHECK(fold_and_add(zero, 2));
@@ -321,14 +366,14 @@ TEST_CASE("decode_pass: a bad element anywhere in an occupied column fails the r
       row[std::size_t(s)] = bad;
       CHECK(fold_and_add(zero, 2) == (s == 6));  // slot 6 is free: its column is ignored
       CHECK(fold_and_add(zero, 3) == (s == 6));  // the row-by-row path of other group sizes
-      CHECK(detail::next_scores(zero.data(), row.data(), pos.data(), width, out.data()) ==
+      CHECK(detail::next_scores(1.0f, zero.data(), row.data(), pos.data(), width, out.data()) ==
             (s == 6 || bad == -0.25f));  // increments may be negative: next_scores checks them through the sum
     }
   row.assign(width, 3e38f);  // each element valid, the sum over the two rows is not
   CHECK_FALSE(fold_and_add(zero, 2));
   CHECK_FALSE(fold_and_add(zero, 3));
   std::vector<float> big(width, 3e38f), next(width);
-  CHECK_FALSE(detail::next_scores(big.data(), big.data(), pos.data(), width, next.data()));
+  CHECK_FALSE(detail::next_scores(1.0f, big.data(), big.data(), pos.data(), width, next.data()));
   // A valid fold (3e38), an overflowing score, in the one-pass and row-by-row paths.
   CHECK(fold_and_add(zero, 1));
   CHECK_FALSE(fold_and_add(big, 1));
@@ -336,5 +381,5 @@ TEST_CASE("decode_pass: a bad element anywhere in an occupied column fails the r
   CHECK_FALSE(fold_and_add(big, 5, group_reduce::max));
   big[6] = 0.0f;  // only the free slot: ignored
   for (std::int32_t s = 0; s < width; ++s) row[std::size_t(s)] = s == 6 ? 3e38f : 0.0f;
-  CHECK(detail::next_scores(big.data(), row.data(), pos.data(), width, next.data()));
+  CHECK(detail::next_scores(1.0f, big.data(), row.data(), pos.data(), width, next.data()));
 }

@@ -82,23 +82,31 @@ struct h2o_case {
   using policy_type = h2o_policy;
   h2o_config config;
   static h2o_case draw(std::mt19937& rng, group_reduce reduce) {
-    std::uniform_int_distribution<int> d(0, 5);
+    std::uniform_int_distribution<int> d(0, 5), s(0, 2);
+    // H2O, TOVA and decays between; 0.5 and 0.75 have powers exact in float
+    // up to the prompts drawn here (3^15 < 2^24), so any exponentiation
+    // gives the reference's prefill weights.
+    const float decays[] = {1.0f, 1.0f, 0.0f, 0.5f, 0.75f};
     h2o_case c;
     do {
       c.config.heavy = d(rng);
       c.config.recent = d(rng);
+      c.config.sinks = rng() % 3 == 0 ? s(rng) : 0;
     } while (c.config.budget() < 1);
     c.config.reduce = reduce;
+    c.config.decay = decays[rng() % 5];
     return c;
   }
   std::int32_t budget() const { return static_cast<std::int32_t>(config.budget()); }
   policy_type make(const policy_shape& s) const { return policy_type(s, config); }
-  // Keep: top `heavy` by score among positions < len - recent, plus the last `recent`.
+  // Keep: the first `sinks` and the last `recent`, plus the top `heavy` by
+  // score among the positions between.
   template <class T>
   std::vector<std::int32_t> keep(const ref_head<T>& head, std::int32_t len, std::int32_t, std::int32_t,
                                  std::uint64_t) const {
     std::vector<std::int32_t> keep, middle;
-    for (const auto& [p, tok] : head) (p >= len - config.recent ? keep : middle).push_back(p);
+    for (const auto& [p, tok] : head)
+      (p < config.sinks || p >= len - config.recent ? keep : middle).push_back(p);
     for (std::int32_t p : top_by_score(head, middle, budget() - std::int32_t(keep.size()))) keep.push_back(p);
     return keep;
   }
@@ -185,6 +193,13 @@ struct stream_run {
 
   stream_run(const stream_params& p, const Case& c) : params(p), policy_case(c), rng(std::uint32_t(p.seed)) {}
 
+  /// The score decay: each step score <- decay * score + increment; prompt
+  /// row i of L weighs decay^(L - 1 - i) (docs/semantics.md, "Scores").
+  float decay() const {
+    if constexpr (std::is_same_v<Case, h2o_case>) return policy_case.config.decay;
+    return 1.0f;
+  }
+
   std::int32_t heads() const { return params.kv_heads; }
   std::int32_t q_heads() const { return params.kv_heads * params.group; }
   ref_head<T>& head(std::int32_t b, std::int32_t h) { return ref[std::size_t(b * heads() + h)]; }
@@ -252,6 +267,12 @@ struct stream_run {
     for (std::int32_t q = 0; q < hq; ++q)
       for (std::int32_t i = 0; i < len; ++i)
         for (std::int32_t p = 0; p <= i; ++p) probs[(std::size_t(q) * len + i) * len + p] = draw_prob(rng, params.probs);
+    // What each element adds to its column: weighted by its row's decay power.
+    const auto term = [&](std::int32_t q, std::int32_t i, std::int32_t p) {
+      const float weight = static_cast<float>(std::pow(double(decay()), double(len - 1 - i)));
+      const volatile float x = weight * probs[(std::size_t(q) * len + i) * len + p];
+      return float(x);
+    };
     for (std::int32_t q = 0; q < hq; ++q)
       for (std::int32_t p = 0; p < len; ++p) {
         // The canonical order (docs/semantics.md): 64-row chunks aligned at
@@ -260,8 +281,7 @@ struct stream_run {
         for (std::int32_t first = p / 64 * 64; first < len; first += 64) {
           float part = 0.0f;
           for (std::int32_t i = std::max(first, p); i < std::min(first + 64, len); ++i)
-            part = i == std::max(first, p) ? probs[(std::size_t(q) * len + i) * len + p]
-                                           : part + probs[(std::size_t(q) * len + i) * len + p];
+            part = i == std::max(first, p) ? term(q, i, p) : part + term(q, i, p);
           total = first == p / 64 * 64 ? part : total + part;
         }
         sums[std::size_t(q) * len + p] = total;
@@ -331,7 +351,8 @@ struct stream_run {
           probs[std::size_t(h * g + j) * capacity + s] = x;
           xs.push_back(x);
         }
-        tok.score += reduce_group(xs, params.reduce);
+        const volatile float decayed = decay() * tok.score;  // rounded before the increment is added
+        tok.score = decayed + reduce_group(xs, params.reduce);
       }
     policy.observe(b, decode_probs{make_tensor_view<const float>(probs.data(), hq, capacity)});
 
@@ -431,7 +452,7 @@ void run_all(const char* policy_name) {
 
 }  // namespace
 
-TEST_CASE("h2o equals the brute-force real-drop reference on random streams") { run_all<h2o_case>("h2o"); }
+TEST_CASE("h2o (with sinks, and decays: TOVA and between) equals the brute-force real-drop reference on random streams") { run_all<h2o_case>("h2o"); }
 
 TEST_CASE("recent_window equals first-sinks + last-window on random streams") {
   run_all<recent_window_case>("recent_window");

@@ -8,6 +8,7 @@ an eviction; a policy needs ``capacity >= budget + 1`` slots.
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 from typing import Literal, Union
 
@@ -20,18 +21,34 @@ _REDUCE = {"sum": 0, "mean": 1, "max": 2}
 @dataclass(frozen=True)
 class H2OConfig:
     """H2O (Zhang et al., 2023): the ``heavy`` tokens with the highest
-    accumulated attention plus the ``recent`` newest. ``reduce`` folds the
-    query heads of a GQA group into one KV head's score."""
+    accumulated attention plus the ``recent`` newest and the first ``sinks``.
+    ``reduce`` folds the query heads of a GQA group into one KV head's score.
+
+    ``decay`` (gamma in [0, 1]) makes each step's score ``decay * score +
+    attention``: 1 is H2O's accumulated attention, 0 is TOVA (the current
+    query's attention alone, see :meth:`tova`), values between an
+    exponential moving attention."""
 
     heavy: int
     recent: int
     reduce: GroupReduce = "sum"
+    decay: float = 1.0
+    sinks: int = 0
 
     kind = 0
 
     @property
     def budget(self) -> int:
-        return self.heavy + self.recent
+        return self.sinks + self.heavy + self.recent
+
+    def _de(self) -> tuple[int, int]:
+        return self.sinks, _float32_bits(self.decay)
+
+    @staticmethod
+    def tova(heavy: int, recent: int = 0, sinks: int = 0, reduce: GroupReduce = "mean") -> "H2OConfig":
+        """TOVA (Oren et al., 2024): decay 0, so the victim is the token the
+        newest query attends to least (the C++ ``tova_config``)."""
+        return H2OConfig(heavy, recent, reduce, 0.0, sinks)
 
     def _abc(self) -> tuple[int, int, int]:
         if self.reduce not in _REDUCE:
@@ -109,6 +126,15 @@ class ExactGreedyConfig:
 PolicyConfig = Union[H2OConfig, RecentWindowConfig, RandomConfig, ExactGreedyConfig]
 
 
+def _float32_bits(x: float) -> int:
+    """The bits of x as a float32 (the C++ library validates the value;
+    beyond the float range it becomes an infinity, which it refuses)."""
+    try:
+        return struct.unpack("<I", struct.pack("<f", float(x)))[0]
+    except OverflowError:
+        return 0x7F800000 if x > 0 else 0xFF800000
+
+
 def descriptor_values(
     config: PolicyConfig,
     num_seqs: int,
@@ -142,4 +168,5 @@ def descriptor_values(
         seed >> 32,
         max_tokens,
         head_dim,
+        *(config._de() if isinstance(config, H2OConfig) else (0, _float32_bits(1.0))),
     )

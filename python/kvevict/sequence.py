@@ -39,7 +39,9 @@ class SequencePolicy:
         q = num_kv_heads if num_q_heads is None else num_q_heads
         shape = (num_seqs, num_kv_heads, q, capacity)
         if isinstance(config, H2OConfig):
-            self._p = _ext.SequenceH2O(*shape, config.heavy, config.recent, _REDUCE.get(config.reduce, -1))
+            self._p = _ext.SequenceH2O(
+                *shape, config.heavy, config.recent, _REDUCE.get(config.reduce, -1), d=config.sinks, decay=config.decay
+            )
         elif isinstance(config, RecentWindowConfig):
             self._p = _ext.SequenceRecentWindow(*shape, config.sinks, config.window)
         elif isinstance(config, RandomConfig):

@@ -232,12 +232,13 @@ class Descriptor {
  public:
   explicit Descriptor(const std::vector<std::int64_t>& v) {
     const site w{"python", "Descriptor"};
-    if (v.size() != 12)
+    if (v.size() != 14)
       fail<kvevict::invalid_argument>(w, "values", "has ", v.size(),
-                                      " entries, expected 12 (kind, num_seqs, num_kv_heads, num_q_heads, capacity, "
-                                      "a, b, c, seed_lo, seed_hi, history_max_tokens, history_head_dim)");
+                                      " entries, expected 14 (kind, num_seqs, num_kv_heads, num_q_heads, capacity, "
+                                      "a, b, c, seed_lo, seed_hi, history_max_tokens, history_head_dim, d, "
+                                      "decay_bits)");
     for (std::size_t i = 0; i < v.size(); ++i) {
-      const bool seed = i == 8 || i == 9;
+      const bool seed = i == 8 || i == 9 || i == 13;  // 13: a float32's bits
       if (seed ? (v[i] < 0 || v[i] > 0xFFFFFFFFll) : (v[i] < INT32_MIN || v[i] > INT32_MAX))
         fail<kvevict::out_of_range>(w, concat("values[", i, "]"), "= ", v[i], " does not fit ",
                                     seed ? "uint32" : "int32");
@@ -250,6 +251,9 @@ class Descriptor {
     d_.c = i32(7);
     d_.seed = std::uint64_t(v[8]) | (std::uint64_t(v[9]) << 32);
     d_.history = {i32(10), i32(11)};
+    d_.d = i32(12);
+    const std::uint32_t decay_bits = static_cast<std::uint32_t>(v[13]);
+    std::memcpy(&d_.decay, &decay_bits, sizeof d_.decay);
     values_ = v;
     // Validates everything (the C++ messages name the config fields).
     state_bytes_ = with_policy(d_, [&](auto tag, const auto& config) {
@@ -977,11 +981,13 @@ void bind_sequence_policy(nb::module_& m, const char* name, const char* doc, Mak
   nb::class_<S>(m, name, doc)
       .def("__init__",
            [make_config](S* self, std::int32_t num_seqs, std::int32_t num_kv_heads, std::int32_t num_q_heads,
-                         std::int32_t capacity, std::int64_t a, std::int64_t b, std::int64_t c, std::uint64_t seed) {
+                         std::int32_t capacity, std::int64_t a, std::int64_t b, std::int64_t c, std::uint64_t seed,
+                         std::int64_t d, float decay) {
              new (self) S(kvevict::policy_shape{num_seqs, num_kv_heads, num_q_heads, capacity},
-                          make_config(a, b, c, seed));
+                          make_config(a, b, c, seed, d, decay));
            },
-           "num_seqs"_a, "num_kv_heads"_a, "num_q_heads"_a, "capacity"_a, "a"_a, "b"_a, "c"_a = 0, "seed"_a = 0)
+           "num_seqs"_a, "num_kv_heads"_a, "num_q_heads"_a, "capacity"_a, "a"_a, "b"_a, "c"_a = 0, "seed"_a = 0,
+           "d"_a = 0, "decay"_a = 1.0f)
       .def("append", &S::append, "b"_a, "Records sequence b's next token in every head's next slot; returns its position.")
       .def("observe_probs", &S::observe_probs, "b"_a, "probs"_a, "Adds the step's probabilities [Hq][slots] to the scores.")
       .def("observe_head_scores", &S::observe_head_scores, "b"_a, "scores"_a)
@@ -1104,19 +1110,21 @@ NB_MODULE(_ext, m) {
 #endif
 
   bind_sequence_policy<kvevict::h2o_policy>(
-      m, "SequenceH2O", "Per-sequence h2o_policy (host; slot table only): a = heavy, b = recent, c = reduce.",
-      [](std::int64_t a, std::int64_t b, std::int64_t c, std::uint64_t) {
+      m, "SequenceH2O",
+      "Per-sequence h2o_policy (host; slot table only): a = heavy, b = recent, c = reduce, d = sinks, decay.",
+      [](std::int64_t a, std::int64_t b, std::int64_t c, std::uint64_t, std::int64_t d, float decay) {
         return kvevict::h2o_config{to_int32(a, "heavy"), to_int32(b, "recent"),
-                                   static_cast<kvevict::group_reduce>(to_int32(c, "reduce"))};
+                                   static_cast<kvevict::group_reduce>(to_int32(c, "reduce")), decay,
+                                   to_int32(d, "sinks")};
       });
   bind_sequence_policy<kvevict::recent_window_policy>(
       m, "SequenceRecentWindow", "Per-sequence recent_window_policy (host; slot table only): a = sinks, b = window.",
-      [](std::int64_t a, std::int64_t b, std::int64_t, std::uint64_t) {
+      [](std::int64_t a, std::int64_t b, std::int64_t, std::uint64_t, std::int64_t, float) {
         return kvevict::recent_window_config{to_int32(a, "sinks"), to_int32(b, "window")};
       });
   bind_sequence_policy<kvevict::random_policy>(
       m, "SequenceRandom", "Per-sequence random_policy (host; slot table only): a = budget, b = sinks, c = recent.",
-      [](std::int64_t a, std::int64_t b, std::int64_t c, std::uint64_t seed) {
+      [](std::int64_t a, std::int64_t b, std::int64_t c, std::uint64_t seed, std::int64_t, float) {
         return kvevict::random_config{to_int32(a, "budget"), to_int32(b, "sinks"), to_int32(c, "recent"), seed};
       });
 }

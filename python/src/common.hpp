@@ -7,6 +7,7 @@
 // strides to kvevict's own calls.
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 #include <utility>
 
@@ -25,9 +26,10 @@ enum class policy_kind : std::int32_t { h2o = 0, recent_window = 1, random = 2, 
 struct descriptor {
   policy_kind kind = policy_kind::h2o;
   kvevict::policy_shape shape;
-  // h2o: heavy, recent, reduce; recent_window: sinks, window, -;
+  // h2o: heavy, recent, reduce, sinks, decay; recent_window: sinks, window;
   // random: budget, sinks, recent; exact_greedy: budget, recent, sinks.
-  std::int32_t a = 0, b = 0, c = 0;
+  std::int32_t a = 0, b = 0, c = 0, d = 0;
+  float decay = 1.0f;
   std::uint64_t seed = 0;
   kvevict::history_extent history;  ///< exact_greedy only
 };
@@ -43,7 +45,7 @@ decltype(auto) with_policy(const descriptor& d, F&& f) {
   switch (d.kind) {
     case policy_kind::h2o:
       return f(policy_tag<kvevict::h2o_policy>{},
-               kvevict::h2o_config{d.a, d.b, static_cast<kvevict::group_reduce>(d.c)});
+               kvevict::h2o_config{d.a, d.b, static_cast<kvevict::group_reduce>(d.c), d.decay, d.d});
     case policy_kind::recent_window:
       return f(policy_tag<kvevict::recent_window_policy>{}, kvevict::recent_window_config{d.a, d.b});
     case policy_kind::random:

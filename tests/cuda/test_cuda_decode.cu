@@ -23,6 +23,7 @@
 #include "kvevict/cuda/kvevict_cuda.cuh"
 #include "support/batch_streams.hpp"
 #include "support/caches.hpp"
+#include "support/h2o_draws.hpp"
 #include "cuda/device_mirror.cuh"
 
 namespace {
@@ -36,8 +37,8 @@ template <class Policy>
 typename policy_traits<Policy>::config_type draw_config(std::mt19937& rng, std::int32_t& budget) {
   auto pick = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
   if constexpr (std::is_same_v<Policy, h2o_policy>) {
-    h2o_config c{pick(0, 6), pick(1, 6), static_cast<group_reduce>(pick(0, 2))};
-    budget = c.heavy + c.recent;
+    const h2o_config c = kvtest::draw_h2o_config(pick, 6, 6);
+    budget = static_cast<std::int32_t>(c.budget());
     return c;
   } else if constexpr (std::is_same_v<Policy, recent_window_policy>) {
     recent_window_config c{pick(0, 3), pick(1, 8)};

@@ -177,8 +177,11 @@ class RefPolicy:
     """The slot table and scores of a batched policy, stepped by the
     definitions. kind: 'h2o', 'recent_window', 'random', 'exact_greedy'."""
 
-    def __init__(self, kind, B, H, Hq, capacity, *, budget, sinks=0, recent=0, reduce="sum", seed=0, head_dim=0):
+    def __init__(
+        self, kind, B, H, Hq, capacity, *, budget, sinks=0, recent=0, reduce="sum", seed=0, head_dim=0, decay=1.0
+    ):
         self.kind, self.B, self.H, self.Hq, self.capacity = kind, B, H, Hq, capacity
+        self.decay = np.float32(decay)  # score <- decay * score (rounded to float32) + increment
         self.g = Hq // H
         self.budget, self.sinks, self.recent, self.reduce, self.seed = budget, sinks, recent, reduce, seed
         self.positions = np.full((B, H, capacity), -1, np.int32)
@@ -229,7 +232,8 @@ class RefPolicy:
         full[:n] = inc[:n]
         occ = self.positions[b, h] >= 0
         assert not occ[n:].any(), "the input is narrower than the occupied slots"
-        self.scores[b, h, occ] = (self.scores[b, h, occ] + full[occ]).astype(np.float32)
+        decayed = (self.decay * self.scores[b, h, occ]).astype(np.float32)
+        self.scores[b, h, occ] = (decayed + full[occ]).astype(np.float32)
 
     def candidates(self, b, h):
         length = self.lengths[b]

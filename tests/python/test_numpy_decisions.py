@@ -32,9 +32,10 @@ CAPACITY = 7
 PAGE = 4
 
 
-def make_config(kind, reduce="sum"):
+def make_config(kind, reduce="sum", decay=1.0, sinks=0):
     if kind == "h2o":
-        return kv.H2OConfig(heavy=3, recent=2, reduce=reduce), dict(budget=5, recent=2, reduce=reduce)
+        config = kv.H2OConfig(heavy=3 - sinks, recent=2, reduce=reduce, decay=decay, sinks=sinks)
+        return config, dict(budget=5, recent=2, reduce=reduce, decay=decay, sinks=sinks)
     if kind == "recent_window":
         return kv.RecentWindowConfig(sinks=2, window=3), dict(budget=5, sinks=2)
     if kind == "random":
@@ -155,11 +156,13 @@ def ref_increments(ref, cache, input_kind, x, lse, scale, base, b, q_rows=None):
     return out
 
 
-def run_decode(kind, input_kind, dtype_name, layout, g, steps=22, seed=0, reduce="sum", q_float32=False):
+def run_decode(
+    kind, input_kind, dtype_name, layout, g, steps=22, seed=0, reduce="sum", q_float32=False, decay=1.0, sinks=0
+):
     rng = np.random.default_rng(seed)
     dtype = DTYPES[dtype_name]
     Hq = H * g
-    config, ref_args = make_config(kind, reduce)
+    config, ref_args = make_config(kind, reduce, decay, sinks)
     extra = dict(max_tokens=steps + 2, head_dim=D) if kind == "exact_greedy" else {}
     policy = kv.BatchedPolicy(config, B, H, CAPACITY, num_q_heads=Hq, **extra)
     ref = RefPolicy(kind, B, H, Hq, CAPACITY, head_dim=D, **ref_args)
@@ -245,6 +248,24 @@ def test_other_layouts(kind, layout):
 @pytest.mark.parametrize("reduce", ["mean", "max"])
 def test_h2o_group_reductions(reduce):
     run_decode("h2o", "probs", "float32", "bhsd", 4, reduce=reduce, seed=11)
+
+
+@pytest.mark.parametrize("input_kind", ["probs", "head_scores", "queries"])
+@pytest.mark.parametrize("decay,sinks", [(0.0, 0), (0.5, 1), (0.9, 0)])
+def test_h2o_decay_and_sinks(decay, sinks, input_kind):
+    """TOVA (decay 0) and moving averages, with a sink: score <- decay * score + increment."""
+    policy, _ = run_decode("h2o", input_kind, "bfloat16", "bhsd", 4, decay=decay, sinks=sinks, seed=int(decay * 10) + sinks)
+    assert policy.config.decay == decay
+
+
+def test_tova_preset_and_bad_decays():
+    assert kv.H2OConfig.tova(4, recent=1, sinks=1) == kv.H2OConfig(4, 1, "mean", 0.0, 1)
+    assert kv.H2OConfig(2, 2, sinks=1).budget == 5
+    for bad in (1.5, -0.1, float("nan"), 1e300):
+        with pytest.raises(kv.OutOfRange, match="'config.decay'"):
+            kv.BatchedPolicy(kv.H2OConfig(2, 2, decay=bad), 1, 1, 6)
+    with pytest.raises(kv.BudgetError, match="'config.sinks'"):
+        kv.BatchedPolicy(kv.H2OConfig(2, 2, sinks=-1), 1, 1, 6)
 
 
 def test_float32_queries_over_a_half_cache():

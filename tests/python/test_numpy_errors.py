@@ -133,7 +133,7 @@ def test_paged_table_errors():
     # a page id outside the pool, in a row the call touches: bad_page, nothing appended
     bad = np.array([[0, 1], [9, 3]], np.int32)
     before = semantic(policy)
-    with pytest.raises(kv.OutOfRange, match=r"sequence 1, head 0, index 0: a page id is outside"):
+    with pytest.raises(kv.OutOfRange, match=r"sequence 1, head 0, index 0 \(the slot\): a page id is outside"):
         policy.append(cache=kv.CacheView.paged(pool, cache.v, bad), k_new=rows, v_new=rows)
     after = semantic(policy)
     np.testing.assert_array_equal(after["lengths"], [1, 0])  # sequence 0 stepped, 1 did not
@@ -224,7 +224,7 @@ def test_bad_probability_leaves_the_head_unchanged(bad, exc, what):
     probs = rng.random((B, HQ, C)).astype(np.float32)
     broken = probs.copy()
     broken[1, 3, 2] = bad  # sequence 1, query head 3 = KV head 1, slot 2
-    with pytest.raises(exc, match=rf"at sequence 1, head 1, index 2: {what} \(that head was left unchanged\)"):
+    with pytest.raises(exc, match=rf"at sequence 1, head 1, index 2 \(the slot\): {what} \(that head was left unchanged\)"):
         policy.observe_evict(probs=broken)
     after = semantic(policy)
     for name in ("positions", "scores"):
@@ -249,7 +249,7 @@ def test_nan_in_a_single_sequence_batch_changes_nothing():
     before = semantic(policy)
     probs = rng.random((1, 4, 6)).astype(np.float32)
     probs[0, :, 0] = np.nan  # every head
-    with pytest.raises(kv.NonFiniteError, match="at sequence 0, head 0, index 0: an input is NaN"):
+    with pytest.raises(kv.NonFiniteError, match=r"at sequence 0, head 0, index 0 \(the slot\): an input is NaN"):
         policy.observe_evict(probs=probs)
     assert_same(before, semantic(policy))
     assert policy.status() == kv._ext.STATUS_CLEAR  # raised, then cleared
@@ -263,7 +263,7 @@ def test_queries_and_lse_must_be_finite():
     q = np.ones((B, HQ, D), np.float32)
     lse = np.zeros((B, HQ), np.float32)
     lse[0, 1] = np.inf
-    with pytest.raises(kv.NonFiniteError, match=r"at sequence 0, head 0, index 1: the LSE of a query head is not finite"):
+    with pytest.raises(kv.NonFiniteError, match=r"at sequence 0, head 0, index 1 \(the query head\): the LSE of a query head is not finite"):
         policy.observe_evict(queries=q, lse=lse, cache=cache)
     after = semantic(policy)
     np.testing.assert_array_equal(after["scores"][0, 0], before["scores"][0, 0])

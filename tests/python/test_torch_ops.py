@@ -149,7 +149,7 @@ def test_torch_errors_name_the_argument():
     bad = torch.rand(B, HQ, C)
     bad[0, 0, 0] = float("nan")
     assert torch.equal(p.state, state)
-    with pytest.raises(kv.NonFiniteError, match="at sequence 0, head 0, index 0: an input is NaN"):
+    with pytest.raises(kv.NonFiniteError, match=r"at sequence 0, head 0, index 0 \(the slot\): an input is NaN"):
         torch.ops.kvevict.observe_evict(p.state, list(p.descriptor), 0, bad, None, 1.0, 0)
 
 

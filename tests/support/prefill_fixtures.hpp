@@ -17,6 +17,7 @@
 #include "kvevict/policy/recent_window.hpp"
 #include "kvevict/dtype/convert.hpp"
 #include "kvevict/score_inputs.hpp"
+#include "support/h2o_draws.hpp"
 
 namespace kvtest {
 
@@ -136,8 +137,8 @@ template <class Policy>
 typename kvevict::policy_traits<Policy>::config_type draw_prefill_config(std::mt19937& rng, std::int32_t& budget) {
   auto pick = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
   if constexpr (std::is_same_v<Policy, kvevict::h2o_policy>) {
-    kvevict::h2o_config c{pick(0, 8), pick(1, 6), static_cast<kvevict::group_reduce>(pick(0, 2))};
-    budget = c.heavy + c.recent;
+    const kvevict::h2o_config c = draw_h2o_config(pick, 8, 6);
+    budget = static_cast<std::int32_t>(c.budget());
     return c;
   } else if constexpr (std::is_same_v<Policy, kvevict::recent_window_policy>) {
     kvevict::recent_window_config c{pick(0, 3), pick(1, 8)};

@@ -47,20 +47,20 @@ void for_each_active(const batch_state_view& st, const active_set& active, std::
 /// in one pass (decode_pass.hpp), for the inputs whose slot dimension has
 /// unit stride. False when the input has no such rows, holds a bad value or
 /// a score would overflow: the per-slot path then runs and names it.
-inline bool row_scores(const score_source<batch_probs>& source, std::int32_t b, std::int32_t h, const float* score,
-                       const std::int32_t* positions, std::int32_t count, float* next) noexcept {
+inline bool row_scores(const score_source<batch_probs>& source, std::int32_t b, std::int32_t h, float decay,
+                       const float* score, const std::int32_t* positions, std::int32_t count, float* next) noexcept {
   if (source.in.probs.strides[2] != 1) return false;
   const std::int32_t g = source.group_size;
   return fold_and_add_probability_rows([&](std::int32_t j) { return &source.in.probs(b, h * g + j, 0); }, g,
-                                       source.reduce, score, positions, count, next);
+                                       source.reduce, decay, score, positions, count, next);
 }
-inline bool row_scores(const score_source<batch_head_scores>& source, std::int32_t b, std::int32_t h,
+inline bool row_scores(const score_source<batch_head_scores>& source, std::int32_t b, std::int32_t h, float decay,
                        const float* score, const std::int32_t* positions, std::int32_t count, float* next) noexcept {
   if (source.in.scores.strides[2] != 1) return false;
-  return next_scores(score, &source.in.scores(b, h, 0), positions, count, next);
+  return next_scores(decay, score, &source.in.scores(b, h, 0), positions, count, next);
 }
 template <class Source>
-bool row_scores(const Source&, std::int32_t, std::int32_t, const float*, const std::int32_t*, std::int32_t,
+bool row_scores(const Source&, std::int32_t, std::int32_t, float, const float*, const std::int32_t*, std::int32_t,
                 float*) noexcept {
   return false;  // logits and queries: an exponential per slot, the per-slot path
 }
@@ -77,7 +77,7 @@ std::uint64_t observe_evict_head(const batch_state_view& st, std::int32_t b, std
   const float* current = st.scores_of(b, h);
   float* updated = st.spare_scores_of(b, h);
   // The hot path: whole rows, checked by reductions, bit for bit the per-slot rules.
-  if (row_scores(source, b, h, current, positions, count, updated)) {
+  if (row_scores(source, b, h, st.rule.decay, current, positions, count, updated)) {
     if (count <= st.rule.budget) victim = -1;
     else if (st.rule.victim == victim_rule::random_priority)
       victim = pick_victim(st.rule, positions, updated, count, length, st.stream_of(b), h);

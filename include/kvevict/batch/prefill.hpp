@@ -447,6 +447,7 @@ struct host_probs_scores {
   batch_prefill_probs in;
   std::int32_t group_size;
   group_reduce reduce;
+  float decay;  ///< the rule's score decay: row i weighs decay^(length - 1 - i)
   std::vector<prefill_accumulator>* chunk;  // [max_length]: this chunk's partial per column
   std::vector<prefill_accumulator>* total;  // [g][max_length]: the column totals per query head
   std::vector<batch_code>* codes;           // [max_length]: the lowest element code per column
@@ -467,7 +468,7 @@ struct host_probs_scores {
           for (std::int32_t p = 0; p <= i; ++p) {
             const float x = in.probs(b, q, i, p);
             (*codes)[std::size_t(p)] = lower_code((*codes)[std::size_t(p)], classify_input(x, true));
-            (*chunk)[std::size_t(p)].add(x);
+            (*chunk)[std::size_t(p)].add(decayed_row(decay, length, i, x));
           }
         for (std::int32_t p = 0; p < end; ++p) tot[p].add((*chunk)[std::size_t(p)].sum);  // chunk c holds rows of p
       }
@@ -513,6 +514,7 @@ struct host_query_scores {
   kv_view<T, Layout> cache;
   std::int32_t group_size;
   group_reduce reduce;
+  float decay;  ///< as host_probs_scores
   std::vector<float>* total;  // [g]
 
   std::uint64_t score_head(std::int32_t b, std::int32_t h, std::int32_t length, float* out) const {
@@ -526,7 +528,7 @@ struct host_query_scores {
           const float x = prefill_query_value(&in.q(b, q, i, 0), in.q.strides[3], key, cache.head_dim, in.scale,
                                               in.lse(b, q, i), in.base);
           code = lower_code(code, classify_input(x, true));
-          return x;
+          return decayed_row(decay, length, i, x);
         });
       }
       const slot_increment inc =
@@ -629,7 +631,7 @@ void batched_prefill(const batch_state_view& st, const active_set& active, const
   const std::size_t m = static_cast<std::size_t>(prompts.max_length);
   std::vector<prefill_accumulator> chunk(m), total(std::size_t(st.group_size()) * m);
   std::vector<batch_code> codes(m);
-  const detail::host_probs_scores scorer{in, st.group_size(), st.rule.reduce, &chunk, &total, &codes};
+  const detail::host_probs_scores scorer{in, st.group_size(), st.rule.reduce, st.rule.decay, &chunk, &total, &codes};
   detail::host_prefill(st, active, prompts, scorer, detail::prefill_cache_checks<T, Layout>{cache}, &cache,
                        reclaimable_pages, status);
 }
@@ -659,7 +661,7 @@ void batched_prefill(const batch_state_view& st, const active_set& active, const
   detail::require_cache(w, st, cache);
   detail::require_prefill_input(w, st, prompts, in, cache);
   std::vector<float> total(static_cast<std::size_t>(st.group_size()));
-  const detail::host_query_scores<Q, T, Layout> scorer{in, cache, st.group_size(), st.rule.reduce, &total};
+  const detail::host_query_scores<Q, T, Layout> scorer{in, cache, st.group_size(), st.rule.reduce, st.rule.decay, &total};
   detail::host_prefill(st, active, prompts, scorer,
                        detail::prefill_query_checks<Q, T, Layout>{cache, in, st.group_size()}, &cache,
                        reclaimable_pages, status);

@@ -71,10 +71,10 @@ struct alignas(16) row_partial {
   }
 };
 
-/// One occupied slot s of (b, h) in observe + evict: its score plus its
-/// increment goes to `updated` and, unprotected, bids for the victim with
-/// order.key; a bad increment or a score that would overflow is reported
-/// instead.
+/// One occupied slot s of (b, h) in observe + evict: its updated score
+/// (updated_score with the rule's decay) goes to `updated` and, unprotected,
+/// bids for the victim with order.key; a bad increment or a score that
+/// would overflow is reported instead.
 KVEVICT_HOST_DEVICE inline void observe_slot(const decode_rule& rule, const victim_order& order, std::int32_t b,
                                              std::int32_t h, std::int32_t s, std::int32_t position,
                                              std::int32_t length, float current, const slot_increment& inc,
@@ -83,7 +83,7 @@ KVEVICT_HOST_DEVICE inline void observe_slot(const decode_rule& rule, const vict
     part.problem = lower_of(part.problem, pack_status(b, h, s, inc.code));
     return;
   }
-  const float score = detail::add(current, inc.value);
+  const float score = updated_score(rule.decay, current, inc.value);
   if (classify_input(score, false) != batch_code::ok) {
     part.problem = lower_of(part.problem, pack_status(b, h, s, batch_code::score_overflow));
     return;

@@ -26,6 +26,7 @@ inline void require_rule(const site& w, const batch_state_view& st) {
     fail<invalid_argument>(w, "state.rule.victim", "= ", static_cast<int>(r.victim),
                            " is not a victim_rule (lowest_score, oldest or random_priority)");
   require_group_reduce(w, "state.rule.reduce", r.reduce);
+  require_decay(w, "state.rule.decay", r.decay);
   if (r.budget < 1 || st.slots.capacity < std::int64_t{r.budget} + 1)
     fail<budget_error>(w, "state.rule.budget", "= ", r.budget, " does not fit capacity ", st.slots.capacity);
   if (r.protect.sinks < 0)

@@ -91,7 +91,7 @@ __global__ void __launch_bounds__(Threads)
     const float partial = prefill_chunk_partial(p, chunk, length, [&](std::int32_t i) {
       const float x = in.probs(b, q, i, p);  // row i: consecutive threads read consecutive columns
       code = kvevict::detail::lower_code(code, classify_input(x, true));
-      return x;
+      return decayed_row(st.rule.decay, length, i, x);
     });
     partials[partial_offset(chunk) + p] = partial;
     if (code != batch_code::ok) {
@@ -166,7 +166,7 @@ __global__ void __launch_bounds__(Threads)
           const float x = kvevict::detail::prefill_query_value(queries + r * d, 1, keys + t * key_stride, d, in.scale,
                                                                lse[r], in.base);
           code = kvevict::detail::lower_code(code, classify_input(x, true));
-          acc.add(x);
+          acc.add(decayed_row(st.rule.decay, length, r0 + r, x));
         }
     }
     if (p < length && acc.started) {

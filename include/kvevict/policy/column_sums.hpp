@@ -15,6 +15,10 @@
 //   - the partials are added left to right in ascending c, starting from the
 //     first non-empty chunk's partial (chunk p / 64).
 //
+// Under a score decay (h2o's decay, TOVA) the summed value of row i is
+// decayed_row(decay, L, i, P[q][i][p]): the weighting changes the values,
+// never the order.
+//
 // For L <= 64 this is the plain left-to-right sum. (Starting from the first
 // row rather than from +0 differs only in the sign of an all-zero sum; the
 // GQA fold that follows, fold_group, starts from +0 and erases it.)
@@ -57,6 +61,30 @@ struct prefill_chunk_range {
   }
   KVEVICT_HOST_DEVICE bool empty() const noexcept { return begin >= end; }
 };
+
+/// decay^n for n >= 0 by binary exponentiation (square the base, multiply
+/// the result at each set bit of n, low bits first), every product rounded
+/// to float: the same bits on every backend. 1 for n = 0 (0^0 included).
+KVEVICT_HOST_DEVICE KVEVICT_REPRODUCIBLE inline float decay_power(float decay, std::int32_t n) noexcept {
+  KVEVICT_FP_CONTRACT_OFF
+  float result = 1.0f, base = decay;
+  for (; n > 0; n >>= 1) {
+    if (n & 1) result = detail::mul(result, base);
+    if (n > 1) base = detail::mul(base, base);
+  }
+  return result;
+}
+
+/// Prompt row i's value x as it enters its column sum under a score decay
+/// (updated_score): weighted by decay^(length - 1 - i), so that the newest
+/// row counts fully and an older one as many decays as decode steps would
+/// have applied. decay = 1 (H2O) returns x itself; decay = 0 (TOVA) keeps
+/// the last row alone (every other row becomes a zero).
+KVEVICT_HOST_DEVICE KVEVICT_REPRODUCIBLE inline float decayed_row(float decay, std::int32_t length, std::int32_t i,
+                                                                  float x) noexcept {
+  KVEVICT_FP_CONTRACT_OFF
+  return decay == 1.0f ? x : detail::mul(decay_power(decay, length - 1 - i), x);
+}
 
 /// A running sum in the canonical order: the first value starts it, every
 /// later one is added. Kernels that stage the rows of a chunk in pieces

@@ -34,10 +34,10 @@ inline std::uint32_t outside_float_range(float v) noexcept {
 
 /// fold_and_add_probability_rows for a group size and reduction known at
 /// compile time: one pass, the G rows read side by side, no branch in the
-/// loop; out[s] = score[s] + the fold, as next_scores adds it.
+/// loop; out[s] = decay * score[s] + the fold, as next_scores updates it.
 template <std::int32_t G, group_reduce Reduce, class RowOf>
-bool fold_and_add_pass(RowOf rows, const float* score, const std::int32_t* positions, std::int32_t width,
-                       float* out) noexcept {
+bool fold_and_add_pass(RowOf rows, float decay, const float* score, const std::int32_t* positions,
+                       std::int32_t width, float* out) noexcept {
   constexpr float kMax = std::numeric_limits<float>::max();
   const float* x[G];
   for (std::int32_t j = 0; j < G; ++j) x[j] = rows(j);
@@ -55,7 +55,7 @@ bool fold_and_add_pass(RowOf rows, const float* score, const std::int32_t* posit
     // Finite elements can sum past FLT_MAX (reduce_groups names the group).
     if constexpr (Reduce != group_reduce::max) wrong |= std::uint32_t(acc > kMax);
     const std::uint32_t occupied = positions[s] >= 0;
-    const float v = add(score[s], occupied ? acc : 0.0f);  // next_scores' rule
+    const float v = updated_score(decay, score[s], occupied ? acc : 0.0f);  // next_scores' rule
     bad |= occupied & (wrong | outside_float_range(v));
     out[s] = v;
   }
@@ -63,12 +63,12 @@ bool fold_and_add_pass(RowOf rows, const float* score, const std::int32_t* posit
 }
 
 template <std::int32_t G, class RowOf>
-bool fold_and_add_fixed(RowOf rows, group_reduce reduce, const float* score, const std::int32_t* positions,
-                        std::int32_t width, float* out) noexcept {
+bool fold_and_add_fixed(RowOf rows, group_reduce reduce, float decay, const float* score,
+                        const std::int32_t* positions, std::int32_t width, float* out) noexcept {
   switch (reduce) {
-    case group_reduce::max: return fold_and_add_pass<G, group_reduce::max>(rows, score, positions, width, out);
-    case group_reduce::mean: return fold_and_add_pass<G, group_reduce::mean>(rows, score, positions, width, out);
-    default: return fold_and_add_pass<G, group_reduce::sum>(rows, score, positions, width, out);
+    case group_reduce::max: return fold_and_add_pass<G, group_reduce::max>(rows, decay, score, positions, width, out);
+    case group_reduce::mean: return fold_and_add_pass<G, group_reduce::mean>(rows, decay, score, positions, width, out);
+    default: return fold_and_add_pass<G, group_reduce::sum>(rows, decay, score, positions, width, out);
   }
 }
 
@@ -98,42 +98,44 @@ bool fold_rows_any(RowOf rows, std::int32_t g, group_reduce reduce, const std::i
   return bad == 0;
 }
 
-/// next[s] = score[s] + inc[s] for the occupied s < width (in place: next
-/// may be inc) and score[s] for the free ones; false when an occupied sum
-/// leaves the float range, so also when an increment is NaN or infinite
-/// (scores are finite): one pass adds and checks a row of increments. A free slot's score is +0 (evict and reset clear
-/// it) and +0 + +0 is +0, so adding 0 there instead of branching changes no
-/// bit. Every load is unconditional: a load under a condition stops the
-/// vectoriser.
-inline bool next_scores(const float* score, const float* inc, const std::int32_t* positions, std::int32_t width,
-                        float* next) noexcept {
+/// next[s] = updated_score(decay, score[s], inc[s]) for the occupied s <
+/// width (in place: next may be inc) and score[s] for the free ones; false
+/// when an occupied result leaves the float range, so also when an
+/// increment is NaN or infinite (scores are finite, decay in [0, 1]): one
+/// pass updates and checks a row of increments. A free slot's score is +0
+/// (evict and reset clear it) and decay * +0 + +0 is +0, so adding 0 there
+/// instead of branching changes no bit. Every load is unconditional: a load
+/// under a condition stops the vectoriser.
+inline bool next_scores(float decay, const float* score, const float* inc, const std::int32_t* positions,
+                        std::int32_t width, float* next) noexcept {
   std::uint32_t bad = 0;
   for (std::int32_t s = 0; s < width; ++s) {
     const std::uint32_t occupied = positions[s] >= 0;
     const float x = inc[s];
-    const float v = add(score[s], occupied ? x : 0.0f);
+    const float v = updated_score(decay, score[s], occupied ? x : 0.0f);
     bad |= occupied & outside_float_range(v);
     next[s] = v;
   }
   return bad == 0;
 }
 
-/// next[s] = score[s] + the fold over the g rows rows(j) (unit stride) of
+/// next[s] = decay * score[s] + the fold over the g rows rows(j) (unit stride) of
 /// column s (fold_group's order), with next_scores' rule for free slots, in
 /// one pass for the usual GQA groups. False when an occupied column holds a
 /// value that is not a probability, its fold overflows or its score would
 /// leave the float range; next is then garbage and the caller's scalar path
 /// names the element.
 template <class RowOf>
-bool fold_and_add_probability_rows(RowOf rows, std::int32_t g, group_reduce reduce, const float* score,
+bool fold_and_add_probability_rows(RowOf rows, std::int32_t g, group_reduce reduce, float decay, const float* score,
                                    const std::int32_t* positions, std::int32_t width, float* next) noexcept {
   switch (g) {
-    case 1: return fold_and_add_fixed<1>(rows, reduce, score, positions, width, next);
-    case 2: return fold_and_add_fixed<2>(rows, reduce, score, positions, width, next);
-    case 4: return fold_and_add_fixed<4>(rows, reduce, score, positions, width, next);
-    case 8: return fold_and_add_fixed<8>(rows, reduce, score, positions, width, next);
+    case 1: return fold_and_add_fixed<1>(rows, reduce, decay, score, positions, width, next);
+    case 2: return fold_and_add_fixed<2>(rows, reduce, decay, score, positions, width, next);
+    case 4: return fold_and_add_fixed<4>(rows, reduce, decay, score, positions, width, next);
+    case 8: return fold_and_add_fixed<8>(rows, reduce, decay, score, positions, width, next);
     default:
-      return fold_rows_any(rows, g, reduce, positions, width, next) && next_scores(score, next, positions, width, next);
+      return fold_rows_any(rows, g, reduce, positions, width, next) &&
+             next_scores(decay, score, next, positions, width, next);
   }
 }
 

@@ -66,6 +66,7 @@ struct decode_rule {
   protection protect;
   std::int32_t budget = 0;  ///< tokens kept after an eviction; capacity >= budget + 1
   group_reduce reduce = group_reduce::sum;
+  float decay = 1.0f;       ///< gamma of updated_score: 1 accumulates (H2O), 0 keeps the newest increment (TOVA)
   std::uint64_t seed = 0;   ///< random_priority only
 
   /// The victim key of the step whose newest position is length - 1, for
@@ -78,6 +79,17 @@ struct decode_rule {
     return o;
   }
 };
+
+/// A slot's score after a step: decay * score + increment, the product
+/// rounded to float before the sum (never one FMA), so every backend gets
+/// the same bits. decay = 1 is the plain sum (1 * x is x exactly): H2O's
+/// accumulated attention; decay = 0 keeps the step's increment alone (+0 *
+/// a finite score is a zero): TOVA; values between weigh step t - j by
+/// decay^j, an exponential moving attention.
+KVEVICT_HOST_DEVICE KVEVICT_REPRODUCIBLE inline float updated_score(float decay, float score, float increment) noexcept {
+  KVEVICT_FP_CONTRACT_OFF
+  return detail::add(detail::mul(decay, score), increment);
+}
 
 /// What a policy class tells the batched backends; each policy header
 /// specialises it (config_type, name, rule(config) which validates).

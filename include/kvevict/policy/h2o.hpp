@@ -2,10 +2,18 @@
 // H2O, "Heavy-Hitter Oracle" (Zhang et al., NeurIPS 2023): keep the `heavy`
 // tokens with the highest accumulated attention plus the `recent` newest.
 //
-// Decode: once a sequence holds heavy + recent + 1 tokens, the victim is the
-// lowest (score, position) among tokens outside the recent window. This is
-// exactly the reference "real drop" (re-select top-heavy + last recent every
-// step), because the recent window slides by one token per step.
+// Decode: once a sequence holds sinks + heavy + recent + 1 tokens, the
+// victim is the lowest (score, position) among tokens outside the sinks and
+// the recent window. This is exactly the reference "real drop" (re-select
+// top-heavy + last recent every step), because the recent window slides by
+// one token per step.
+//
+// `decay` generalises the accumulation (updated_score): each step a score
+// becomes decay * score + the step's attention. 1 is H2O; 0 is TOVA (Oren
+// et al., 2024: keep the tokens the current query attends to most); values
+// between are an exponential moving attention. At prefill the prompt row i
+// of L weighs decay^(L - 1 - i), the same sum the decode steps would give
+// (docs/semantics.md, "Scores").
 #include <cstdint>
 
 #include "kvevict/error.hpp"
@@ -18,10 +26,25 @@ struct h2o_config {
   std::int32_t heavy = 0;   ///< tokens kept by accumulated score
   std::int32_t recent = 0;  ///< newest tokens always kept (the newest included)
   group_reduce reduce = group_reduce::sum;
+  float decay = 1.0f;       ///< gamma in [0, 1]: 1 accumulates (H2O), 0 is TOVA
+  std::int32_t sinks = 0;   ///< first positions always kept (attention sinks)
 
-  /// heavy + recent, computed in 64 bits (the constructor rejects overflow).
-  std::int64_t budget() const noexcept { return std::int64_t{heavy} + recent; }
+  /// sinks + heavy + recent, computed in 64 bits (the constructor rejects overflow).
+  std::int64_t budget() const noexcept { return std::int64_t{sinks} + heavy + recent; }
 };
+
+/// TOVA (Oren et al., "Transformers are Multi-State RNNs", 2024): h2o with
+/// decay 0, so the victim is the token the newest query attends to least.
+inline h2o_config tova_config(std::int32_t heavy, std::int32_t recent = 0, std::int32_t sinks = 0,
+                              group_reduce reduce = group_reduce::mean) noexcept {
+  h2o_config c;
+  c.heavy = heavy;
+  c.recent = recent;
+  c.sinks = sinks;
+  c.reduce = reduce;
+  c.decay = 0.0f;
+  return c;
+}
 
 class h2o_policy;
 
@@ -38,12 +61,16 @@ struct policy_traits<h2o_policy> {
     const detail::site w{name, function};
     if (c.heavy < 0) detail::fail<budget_error>(w, "config.heavy", "= ", c.heavy, " is negative");
     if (c.recent < 0) detail::fail<budget_error>(w, "config.recent", "= ", c.recent, " is negative");
+    if (c.sinks < 0) detail::fail<budget_error>(w, "config.sinks", "= ", c.sinks, " is negative");
     detail::require_group_reduce(w, "config.reduce", c.reduce);
+    detail::require_decay(w, "config.decay", c.decay);
     decode_rule r;
     r.victim = victim_rule::lowest_score;
-    r.protect = {0, c.recent};
-    r.budget = detail::budget_sum(w, "config.heavy + config.recent", c.heavy, c.recent);
+    r.protect = {c.sinks, c.recent};
+    const std::int32_t kept = detail::budget_sum(w, "config.heavy + config.recent", c.heavy, c.recent);
+    r.budget = detail::budget_sum(w, "config.sinks + config.heavy + config.recent", c.sinks, kept);
     r.reduce = c.reduce;
+    r.decay = c.decay;
     return r;
   }
 };
@@ -56,7 +83,7 @@ class h2o_policy : public policy_base<h2o_policy> {
   const h2o_config& config() const noexcept { return config_; }
 
   void select_keep(std::int32_t, std::int32_t, std::int32_t length, const float* score, std::int32_t* keep) const {
-    keep_top_keys(length, 0, config_.recent, [score](std::int32_t p) { return eviction_key(score[p], p); }, keep);
+    keep_top_keys(length, config_.sinks, config_.recent, [score](std::int32_t p) { return eviction_key(score[p], p); }, keep);
   }
 
  private:

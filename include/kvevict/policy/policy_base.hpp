@@ -253,7 +253,7 @@ class policy_base {
     bool valid = in.probs.strides[1] == 1;
     for (std::int32_t h = 0; valid && h < shape_.num_kv_heads; ++h)
       valid = detail::fold_and_add_probability_rows([&](std::int32_t j) { return &in.probs(h * g + j, 0); }, g,
-                                                    rule_.reduce, scores_of(b, h), slots_.positions_of(b, h),
+                                                    rule_.reduce, rule_.decay, scores_of(b, h), slots_.positions_of(b, h),
                                                     expected[1], next_of(h));
     if (!valid) {  // strided columns, or a bad element or overflow to name: the scalar rules
       detail::reduce_groups(
@@ -273,8 +273,8 @@ class policy_base {
     detail::require_extents(w, "scores", in.scores, expected, at_least);
     bool valid = in.scores.strides[1] == 1;
     for (std::int32_t h = 0; valid && h < shape_.num_kv_heads; ++h)
-      valid = detail::next_scores(scores_of(b, h), &in.scores(h, 0), slots_.positions_of(b, h), expected[1],
-                                  next_of(h));
+      valid = detail::next_scores(rule_.decay, scores_of(b, h), &in.scores(h, 0), slots_.positions_of(b, h),
+                                  expected[1], next_of(h));
     if (!valid) {  // strided columns, or a bad element or overflow to name
       const auto wanted = occupied(b);
       for (std::int32_t h = 0; h < shape_.num_kv_heads; ++h)
@@ -356,7 +356,7 @@ class policy_base {
           return prefill_column_sum(p, length, [&](std::int32_t i) {
             const float x = in.probs(q, i, p);
             detail::require_probability(w, "probs", x, q, i, p);
-            return x;
+            return decayed_row(rule_.decay, length, i, x);
           });
         },
         scratch_.data(), shape_.capacity);
@@ -413,7 +413,7 @@ class policy_base {
           const auto* key = view.k_row(b, q / g, p);
           return prefill_column_sum(p, length, [&](std::int32_t i) {
             const float logit = attention_logit(&in.q(q, i, 0), in.q.strides[2], key, view.head_dim);
-            return probability_from_logit(logit, in.scale, in.lse(q, i), in.base);
+            return decayed_row(rule_.decay, length, i, probability_from_logit(logit, in.scale, in.lse(q, i), in.base));
           });
         },
         scratch_.data(), shape_.capacity);
@@ -657,11 +657,11 @@ class policy_base {
       const std::int32_t* pos = slots_.positions_of(b, h);
       const float* inc = scratch_.data() + std::size_t(h) * shape_.capacity;
       const float* score = scores_of(b, h);
-      if (detail::next_scores(score, inc, pos, width, next_of(h))) continue;
+      if (detail::next_scores(rule_.decay, score, inc, pos, width, next_of(h))) continue;
       for (std::int32_t s = 0; s < width; ++s)
-        if (pos[s] >= 0 && !std::isfinite(score[s] + inc[s]))
+        if (pos[s] >= 0 && !std::isfinite(updated_score(rule_.decay, score[s], inc[s])))
           detail::fail_state<non_finite_error>(w, "sequence ", b, " head ", h, " slot ", s, ": score ", score[s],
-                                               " + increment ", inc[s], " overflows");
+                                               " updated by increment ", inc[s], " overflows");
     }
   }
 

@@ -41,6 +41,12 @@ std::int32_t budget_sum(const Where& where, const char* parts, std::int32_t a, s
   return static_cast<std::int32_t>(sum);
 }
 
+/// A score decay: a float in [0, 1] (NaN fails both comparisons).
+template <class Where>
+void require_decay(const Where& where, const char* arg, float decay) {
+  if (!(decay >= 0.0f && decay <= 1.0f)) fail<out_of_range>(where, arg, "= ", decay, " is outside [0, 1]");
+}
+
 template <class Where>
 void require_group_reduce(const Where& where, const char* arg, group_reduce r) {
   if (r != group_reduce::sum && r != group_reduce::mean && r != group_reduce::max)
