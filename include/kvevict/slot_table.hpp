@@ -68,6 +68,21 @@ class slot_table {
     return -1;
   }
 
+  /// One past the highest occupied slot of any head of b: the columns a
+  /// decode input must hold for b.
+  std::int32_t occupied_width(std::int32_t b) const noexcept {
+    std::int32_t width = 0;
+    for (std::int32_t h = 0; h < num_heads_; ++h) {
+      const std::int32_t* pos = positions_of(b, h);
+      for (std::int32_t s = capacity_ - 1; s >= width; --s)
+        if (pos[s] >= 0) {
+          width = s + 1;
+          break;
+        }
+    }
+    return width;
+  }
+
   const std::int32_t* positions_of(std::int32_t b, std::int32_t h) const noexcept {
     return positions_.data() + index(b, h) * capacity_;
   }

@@ -74,9 +74,9 @@ class exact_greedy_policy : public policy_base<exact_greedy_policy> {
   void observe(std::int32_t b, const decode_queries<Q>& in, const kv_view<T, Layout>& view) {
     const detail::site w = where("observe");
     require_observable(w, b);
-    require_view(w, view);
+    detail::require_policy_view(w, this->shape(), view);
     require_head_dim(w, view.head_dim);
-    require_decode_queries(w, in, view.head_dim);
+    detail::require_decode_queries(w, this->shape(), in, view.head_dim);
     const std::int32_t len = slots_.length(b);
     // Every token appended since the last observe joins the history now;
     // each is still cached, since the protocol refuses eviction before an
@@ -105,9 +105,9 @@ class exact_greedy_policy : public policy_base<exact_greedy_policy> {
                          const kv_view<T, Layout>& view) {
     const detail::site w = where("prefill");
     require_prefill(w, b, length);
-    require_view(w, view);
+    detail::require_policy_view(w, this->shape(), view);
     require_head_dim(w, view.head_dim);
-    require_decode_queries(w, last_row, view.head_dim);
+    detail::require_decode_queries(w, this->shape(), last_row, view.head_dim);
     for (std::int32_t h = 0; h < shape_.num_kv_heads; ++h)
       for (std::int32_t p = 0; p < length; ++p) require_finite_row(w, view, b, h, p);
     require_distinct_pages(w, view, b, length);  // before the history changes: commit_prefill cannot fail after

@@ -35,6 +35,7 @@
 #include "kvevict/policy/evict_to.hpp"
 #include "kvevict/policy/policy_shape.hpp"
 #include "kvevict/policy/score_increments.hpp"
+#include "kvevict/policy/sequence_checks.hpp"
 #include "kvevict/score_inputs.hpp"
 #include "kvevict/slot_table.hpp"
 
@@ -52,7 +53,7 @@ class policy_base {
   /// Slot that sequence b's next token takes in KV head h (docs/semantics.md, step 1),
   /// or -1 while the sequence holds budget + 1 tokens (evict first).
   std::int32_t next_slot(std::int32_t b, std::int32_t h) const {
-    require_head(where("next_slot"), b, h);
+    detail::require_head(where("next_slot"), shape_, b, h);
     return slots_.next_slot(b, h);
   }
   /// Tokens sequence b has seen; the position its next token gets.
@@ -68,7 +69,7 @@ class policy_base {
   }
   /// Accumulated score of slot s of (b, h); 0 for a free slot.
   float score(std::int32_t b, std::int32_t h, std::int32_t s) const {
-    require_head(where("score"), b, h);
+    detail::require_head(where("score"), shape_, b, h);
     detail::require_index(where("score"), "slot", s, shape_.capacity);
     return scores_of(b, h)[s];
   }
@@ -146,8 +147,8 @@ class policy_base {
   std::int32_t evict_to(std::int32_t b, std::int32_t target, const kv_view<T, Layout>& view) {
     const detail::site w = where("evict_to");
     require_evict_to(w, b, target);
-    require_view(w, view);
-    const std::int32_t span = std::max(target, occupied_width(b));
+    detail::require_policy_view(w, shape_, view);
+    const std::int32_t span = std::max(target, slots_.occupied_width(b));
     require_rows(w, view, b, span, all_columns());
     require_distinct_pages(w, view, b, span);
     const std::int32_t freed = evict_surplus(b, target);
@@ -245,7 +246,7 @@ class policy_base {
   void observe(std::int32_t b, const decode_probs& in) {
     const detail::site w = where("observe");
     require_observable(w, b);
-    const std::int32_t expected[2] = {shape_.num_q_heads, occupied_width(b)};
+    const std::int32_t expected[2] = {shape_.num_q_heads, slots_.occupied_width(b)};
     const bool at_least[2] = {false, true};
     detail::require_extents(w, "probs", in.probs, expected, at_least);
     const std::int32_t g = shape_.group_size();
@@ -268,7 +269,7 @@ class policy_base {
   void observe(std::int32_t b, const head_scores& in) {
     const detail::site w = where("observe");
     require_observable(w, b);
-    const std::int32_t expected[2] = {shape_.num_kv_heads, occupied_width(b)};
+    const std::int32_t expected[2] = {shape_.num_kv_heads, slots_.occupied_width(b)};
     const bool at_least[2] = {false, true};
     detail::require_extents(w, "scores", in.scores, expected, at_least);
     bool valid = in.scores.strides[1] == 1;
@@ -294,10 +295,10 @@ class policy_base {
   void observe(std::int32_t b, const decode_logits& in) {
     const detail::site w = where("observe");
     require_observable(w, b);
-    const std::int32_t expected[2] = {shape_.num_q_heads, occupied_width(b)};
+    const std::int32_t expected[2] = {shape_.num_q_heads, slots_.occupied_width(b)};
     const bool at_least[2] = {false, true};
     detail::require_extents(w, "logits", in.logits, expected, at_least);
-    require_lse(w, in.lse);
+    detail::require_decode_lse(w, shape_, in.lse);
     detail::require_scale(w, in.scale);
     detail::require_lse_base(w, "base", in.base);
     const auto wanted = occupied(b);
@@ -319,12 +320,12 @@ class policy_base {
   void observe(std::int32_t b, const decode_queries<Q>& in, const kv_view<T, Layout>& view) {
     const detail::site w = where("observe");
     require_observable(w, b);
-    require_view(w, view);
-    require_decode_queries(w, in, view.head_dim);
-    require_lse(w, in.lse);
+    detail::require_policy_view(w, shape_, view);
+    detail::require_decode_queries(w, shape_, in, view.head_dim);
+    detail::require_decode_lse(w, shape_, in.lse);
     detail::require_lse_base(w, "base", in.base);
     const auto wanted = occupied(b);
-    const std::int32_t width = occupied_width(b);
+    const std::int32_t width = slots_.occupied_width(b);
     require_rows(w, view, b, width, wanted);
     const std::int32_t g = shape_.group_size();
     detail::reduce_groups(
@@ -346,7 +347,7 @@ class policy_base {
                          const kv_view<T, Layout>& view) {
     const detail::site w = where("prefill");
     require_prefill(w, b, length);
-    require_view(w, view);
+    detail::require_policy_view(w, shape_, view);
     const std::int32_t expected[3] = {shape_.num_q_heads, length, length};
     const bool at_least[3] = {false, true, true};
     detail::require_extents(w, "probs", in.probs, expected, at_least);
@@ -369,7 +370,7 @@ class policy_base {
                          const kv_view<T, Layout>& view) {
     const detail::site w = where("prefill");
     require_prefill(w, b, length);
-    require_view(w, view);
+    detail::require_policy_view(w, shape_, view);
     score_column_sums(w, length, in);
     return commit_prefill(w, b, length, &view);
   }
@@ -391,7 +392,7 @@ class policy_base {
                          const kv_view<T, Layout>& view) {
     const detail::site w = where("prefill");
     require_prefill(w, b, length);
-    require_view(w, view);
+    detail::require_policy_view(w, shape_, view);
     const std::int32_t eq[3] = {shape_.num_q_heads, length, view.head_dim};
     const bool at_least[3] = {false, true, false};
     detail::require_extents(w, "q", in.q, eq, at_least);
@@ -500,7 +501,7 @@ class policy_base {
   prefill_result prefill_without_scores(std::int32_t b, std::int32_t length, const kv_view<T, Layout>& view) {
     const detail::site w = where("prefill");
     require_prefill(w, b, length);
-    require_view(w, view);
+    detail::require_policy_view(w, shape_, view);
     std::fill(scratch_.begin(), scratch_.end(), 0.0f);
     return commit_prefill(w, b, length, &view);
   }
@@ -510,34 +511,12 @@ class policy_base {
     return scratch_.data() + std::size_t(h) * shape_.capacity;
   }
 
-  template <class T, class Layout>
-  void require_view(const detail::site& w, const kv_view<T, Layout>& view) const {
-    validate(w, view);
-    if (view.num_seqs != shape_.num_seqs)
-      detail::fail<invalid_argument>(w, "view.num_seqs", "= ", view.num_seqs, ", the policy has ", shape_.num_seqs);
-    if (view.num_heads != shape_.num_kv_heads)
-      detail::fail<invalid_argument>(w, "view.num_heads", "= ", view.num_heads, ", the policy has ",
-                                     shape_.num_kv_heads, " KV heads");
-    if (view.capacity < shape_.capacity)
-      detail::fail<invalid_argument>(w, "view.capacity", "= ", view.capacity, " is below the policy's capacity ",
-                                     shape_.capacity);
-  }
-
   template <class T, class Layout, class Wanted>
   void require_rows(const detail::site& w, const kv_view<T, Layout>& view, std::int32_t b, std::int32_t width,
                     Wanted wanted) const {
     for (std::int32_t h = 0; h < shape_.num_kv_heads; ++h)
       for (std::int32_t s = 0; s < width; ++s)
         if (wanted(h, s)) require_row(w, view, b, h, s);
-  }
-
-  template <class Q>
-  void require_decode_queries(const detail::site& w, const decode_queries<Q>& in, std::int32_t head_dim) const {
-    const std::int32_t eq[2] = {shape_.num_q_heads, head_dim};
-    const bool exact[2] = {false, false};
-    detail::require_extents(w, "q", in.q, eq, exact);
-    detail::require_queries(w, "q", in.q);
-    detail::require_scale(w, in.scale);
   }
 
   void require_evict_to(const detail::site& w, std::int32_t b, std::int32_t target) const {
@@ -569,11 +548,6 @@ class policy_base {
     return freed;
   }
 
-  void require_head(const detail::site& w, std::int32_t b, std::int32_t h) const {
-    detail::require_index(w, "sequence", b, shape_.num_seqs);
-    detail::require_index(w, "head", h, shape_.num_kv_heads);
-  }
-
   /// observe (and skip_observe) needs an append since the last observe.
   void require_observable(const detail::site& w, std::int32_t b) const {
     detail::require_index(w, "sequence", b, shape_.num_seqs);
@@ -600,20 +574,6 @@ class policy_base {
                                       " tokens; prefill starts a sequence (reset it first)");
   }
 
-  /// One past the highest occupied slot of any head of b.
-  std::int32_t occupied_width(std::int32_t b) const noexcept {
-    std::int32_t width = 0;
-    for (std::int32_t h = 0; h < shape_.num_kv_heads; ++h) {
-      const std::int32_t* pos = slots_.positions_of(b, h);
-      for (std::int32_t s = shape_.capacity - 1; s >= width; --s)
-        if (pos[s] >= 0) {
-          width = s + 1;
-          break;
-        }
-    }
-    return width;
-  }
-
   auto occupied(std::int32_t b) const noexcept {
     return [this, b](std::int32_t h, std::int32_t s) { return slots_.positions_of(b, h)[s] >= 0; };
   }
@@ -621,13 +581,6 @@ class policy_base {
     return [](std::int32_t, std::int32_t) { return true; };
   }
   detail::group_info group() const noexcept { return {shape_.num_kv_heads, shape_.group_size(), rule_.reduce}; }
-
-  void require_lse(const detail::site& w, const tensor_view<const float, 1>& lse) const {
-    const std::int32_t el[1] = {shape_.num_q_heads};
-    const bool exact[1] = {false};
-    detail::require_extents(w, "lse", lse, el, exact);
-    for (std::int32_t q = 0; q < shape_.num_q_heads; ++q) detail::require_finite(w, "lse", lse(q), q);
-  }
 
   void score_column_sums(const detail::site& w, std::int32_t length, const prefill_column_sums& in) {
     const std::int32_t expected[2] = {shape_.num_q_heads, length};
