@@ -177,7 +177,8 @@ TEST_CASE("observe + evict in chunks: partials merged in any order decide as the
     const std::int32_t cap = 2 * decode_tuning::tile + 1 + std::int32_t(rng() % 3000);
     const std::int32_t group = 1 + std::int32_t(rng() % 3);
     const policy_shape shape{2, 2, 2 * group, cap};
-    const h2o_config config{cap / 2, cap - 1 - cap / 2, static_cast<group_reduce>(trial % 3)};
+    h2o_config config{cap / 2, cap - 1 - cap / 2, static_cast<group_reduce>(trial % 3)};
+    config.decay = std::array<float, 4>{1.0f, 0.0f, 0.5f, 0.9f}[trial % 4];  // H2O, TOVA, moving averages
     std::vector<unsigned char> memory;
     const batch_state_view st = full_state(memory, shape, config, rng);
     const std::int32_t columns = trial % 6 == 5 ? cap - 7 : cap;  // a narrow input now and then
