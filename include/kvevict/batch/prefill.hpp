@@ -464,12 +464,14 @@ struct host_probs_scores {
         const std::int32_t first = c * prefill_chunk_rows;
         const std::int32_t end = std::min(first + prefill_chunk_rows, length);
         std::fill_n(chunk->data(), end, prefill_accumulator{});
-        for (std::int32_t i = first; i < end; ++i)
+        for (std::int32_t i = first; i < end; ++i) {
+          const row_decay weigh(decay, length, i);  // once per row, not per element
           for (std::int32_t p = 0; p <= i; ++p) {
             const float x = in.probs(b, q, i, p);
             (*codes)[std::size_t(p)] = lower_code((*codes)[std::size_t(p)], classify_input(x, true));
-            (*chunk)[std::size_t(p)].add(decayed_row(decay, length, i, x));
+            (*chunk)[std::size_t(p)].add(weigh(x));
           }
+        }
         for (std::int32_t p = 0; p < end; ++p) tot[p].add((*chunk)[std::size_t(p)].sum);  // chunk c holds rows of p
       }
     }

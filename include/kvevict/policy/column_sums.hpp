@@ -75,15 +75,23 @@ KVEVICT_HOST_DEVICE KVEVICT_REPRODUCIBLE inline float decay_power(float decay, s
   return result;
 }
 
+/// Row i's weighting, its power computed once (for a loop over the row's
+/// columns): weight = decay_power(decay, length - 1 - i); decay 1 leaves x.
+struct row_decay {
+  float weight = 1.0f;
+  bool weighted = false;
+  KVEVICT_HOST_DEVICE row_decay(float decay, std::int32_t length, std::int32_t i) noexcept
+      : weight(decay == 1.0f ? 1.0f : decay_power(decay, length - 1 - i)), weighted(decay != 1.0f) {}
+  KVEVICT_HOST_DEVICE float operator()(float x) const noexcept { return weighted ? detail::mul(weight, x) : x; }
+};
+
 /// Prompt row i's value x as it enters its column sum under a score decay
 /// (updated_score): weighted by decay^(length - 1 - i), so that the newest
 /// row counts fully and an older one as many decays as decode steps would
 /// have applied. decay = 1 (H2O) returns x itself; decay = 0 (TOVA) keeps
 /// the last row alone (every other row becomes a zero).
-KVEVICT_HOST_DEVICE KVEVICT_REPRODUCIBLE inline float decayed_row(float decay, std::int32_t length, std::int32_t i,
-                                                                  float x) noexcept {
-  KVEVICT_FP_CONTRACT_OFF
-  return decay == 1.0f ? x : detail::mul(decay_power(decay, length - 1 - i), x);
+KVEVICT_HOST_DEVICE inline float decayed_row(float decay, std::int32_t length, std::int32_t i, float x) noexcept {
+  return row_decay(decay, length, i)(x);
 }
 
 /// A running sum in the canonical order: the first value starts it, every
