@@ -46,17 +46,21 @@ __global__ void __launch_bounds__(Threads)
     if (slot != kvevict::detail::prefill_no_slot) atomicMin(&first_unmapped, slot);
   }
   __syncthreads();
-  if (t == 0 && sequence_word == batch_status_clear && first_unmapped != kvevict::detail::prefill_no_slot)
-    sequence_word = pack_status(b, 0, first_unmapped, batch_code::bad_page);
-  __syncthreads();
-  if (sequence_word == batch_status_clear) {  // the head's own checks, only for a sound sequence
+  // Every thread derives the sequence's word from the shared values, which
+  // no thread writes again (a write by thread 0 here would race with the
+  // other threads' reads: racecheck saw it on an H100).
+  const unsigned long long sequence_problem =
+      sequence_word != batch_status_clear || first_unmapped == kvevict::detail::prefill_no_slot
+          ? sequence_word
+          : static_cast<unsigned long long>(pack_status(b, 0, first_unmapped, batch_code::bad_page));
+  if (sequence_problem == batch_status_clear) {  // the head's own checks, only for a sound sequence
     const unsigned long long found = checks.head_problem(b, h, length, t, Threads);
     if (found != batch_status_clear) atomicMin(&head_word, found);
   }
   __syncthreads();
   if (t == 0) {
-    const bool sequence_ok = sequence_word == batch_status_clear;
-    const unsigned long long word = sequence_ok ? head_word : sequence_word;
+    const bool sequence_ok = sequence_problem == batch_status_clear;
+    const unsigned long long word = sequence_ok ? head_word : sequence_problem;
     ws.head_refused[std::int64_t{entry} * st.num_heads() + h] = word != batch_status_clear ? 1 : 0;
     if (word != batch_status_clear) {
       if (sequence_ok || h == 0) report(status, word);  // a sequence's word once (all its heads refuse it)
