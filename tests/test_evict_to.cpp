@@ -638,6 +638,45 @@ TEST_CASE("batched multi-token append and evict_to equal the per-sequence polici
   batched_parity_all_layouts<kv::bfloat16>();
 }
 
+TEST_CASE("batched evict_to writes the moves and counts of the active sequences only") {
+  // The CUDA test once replayed an inactive sequence's count (an earlier
+  // call's) as moves: the contract is that those entries are not written.
+  const kv::policy_shape shape = shape_of(12);
+  const kv::h2o_config config{5, 2};
+  std::vector<unsigned char> memory(kv::batch_state_bytes<kv::h2o_policy>(shape, config));
+  const kv::batch_state_view st = kv::make_batch_state<kv::h2o_policy>(memory.data(), memory.size(), shape, config);
+  kv::init_batch_state(st);
+  std::uint64_t status = kv::batch_status_clear;
+  kv::batched_append_tokens(st, kv::active_set::all(), 10, &status);
+  std::vector<float> inc(std::size_t(kSeqs) * kHeads * 12);
+  for (std::size_t i = 0; i < inc.size(); ++i) inc[i] = static_cast<float>((i * 7) % 11) / 8.0f;
+  kv::batched_observe_evict(st, kv::active_set::all(),
+                            kv::batch_head_scores{kv::make_tensor_view<const float>(inc.data(), kSeqs, kHeads, 12)},
+                            nullptr, &status);
+  REQUIRE(status == kv::batch_status_clear);
+  const kv::slot_move sentinel{-7, -7};
+  std::vector<kv::slot_move> moves(std::size_t(kSeqs) * kHeads * 12, sentinel);
+  std::vector<std::int32_t> counts(std::size_t(kSeqs) * kHeads, -7);
+  const std::int32_t list[] = {1};
+  kv::batched_evict_to(st, kv::active_set::of_list(list, 1), 7, moves.data(), counts.data(), &status);
+  REQUIRE(status == kv::batch_status_clear);
+  for (std::int32_t b = 0; b < kSeqs; ++b)
+    for (std::int32_t h = 0; h < kHeads; ++h) {
+      CAPTURE(b);
+      CAPTURE(h);
+      const std::int64_t bh = st.head_index(b, h);
+      CHECK(st.slots.counts[bh] == (b == 1 ? 7 : 9));
+      if (b != 1) CHECK(counts[std::size_t(bh)] == -7);
+      else CHECK((counts[std::size_t(bh)] >= 1 && counts[std::size_t(bh)] <= 3));
+      const std::int32_t written = b == 1 ? counts[std::size_t(bh)] : 0;
+      for (std::int32_t i = 0; i < 12; ++i) {
+        const kv::slot_move m = moves[std::size_t(bh) * 12 + std::size_t(i)];
+        if (i < written) CHECK((m.from >= 7 && m.from < 10 && m.to >= 0 && m.to < 7));  // 10 slots used, one a hole
+        else CHECK((m.from == -7 && m.to == -7));
+      }
+    }
+}
+
 TEST_CASE("batched evict_to: an unobserved head is refused and left unchanged; exact_greedy takes the queries") {
   const kv::policy_shape shape = shape_of(12);
   const kv::h2o_config config{5, 2};

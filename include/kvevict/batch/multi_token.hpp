@@ -297,7 +297,8 @@ void batched_evict_to(const batch_state_view& st, const active_set& active, std:
 /// The same for engines that move rows themselves: moves[(b * H + h) *
 /// capacity + i] for i < move_counts[b * H + h] (fewer than the tokens
 /// freed) says which slot's K/V rows go where; sources and destinations are
-/// distinct, so any order works.
+/// distinct, so any order works. The counts and moves of sequences the call
+/// does not step are left as they were: read only the active sequences'.
 inline void batched_evict_to(const batch_state_view& st, const active_set& active, std::int32_t target,
                              slot_move* moves, std::int32_t* move_counts, std::uint64_t* status) {
   const detail::site w{"batch", "evict_to"};
