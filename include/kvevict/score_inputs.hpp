@@ -8,6 +8,7 @@
 // q / (num_q_heads / num_kv_heads), as in every GQA implementation.
 #include <cstdint>
 
+#include "kvevict/kv_view.hpp"
 #include "kvevict/tensor_view.hpp"
 
 namespace kvevict {
@@ -52,6 +53,19 @@ struct decode_queries {
   tensor_view<const float, 1> lse;
   float scale = 1.0f;
   lse_base base = lse_base::natural;
+};
+
+/// Decode step, key-norm scores (no attention input): each occupied slot's
+/// score becomes -||k||_2 of its cached key row in `cache` (key_norm_score,
+/// decode_rules.hpp), so the lowest-score victim is the key of the largest
+/// norm and the policy keeps the smallest. The score is recomputed every
+/// step and replaces the old one: a rule that evicts by score takes it only
+/// with decay 0 (key_norm_config). The per-sequence observe and the
+/// batched calls take the same struct (a kv_view has the sequence
+/// dimension).
+template <class T, class Layout>
+struct key_norms {
+  kv_view<T, Layout> cache;
 };
 
 /// Prefill, materialised causal attention: probs(q, i, p) for query row i and

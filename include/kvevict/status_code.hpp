@@ -28,7 +28,7 @@ enum class batch_code : std::uint32_t {
   no_free_slot = 7,          ///< append with a head at budget + 1 tokens (evict first)
   bad_sequence = 8,          ///< an active-list entry outside [0, num_seqs) (pack_bad_entry)
   bad_page = 9,              ///< a page id outside [0, num_pages) for slot `index`
-  non_finite_kv = 10,        ///< exact_greedy: NaN or inf in the K/V row of slot `index`
+  non_finite_kv = 10,        ///< exact_greedy, key_norms: NaN or inf in the K/V row of slot `index` (key_norms: or a norm that overflows)
   history_full = 11,         ///< exact_greedy: the sequence outgrew max_tokens
   history_gap = 12,          ///< exact_greedy: a step was appended but never observed
   not_appended = 13,         ///< observe + evict with no append since the last one

@@ -217,6 +217,40 @@ struct query_source {
   }
 };
 
+/// Key norms: each slot's score is -||k|| of its cached key row
+/// (key_norm_score); per KV head, so the group and its reduction play no
+/// part. A key whose norm is not finite is reported as non_finite_kv.
+template <class T, class Layout>
+struct score_source<key_norms<T, Layout>> {
+  static constexpr int items = 1;  ///< one key row per slot: its vector loads are many
+  static constexpr int min_blocks = 2;
+  key_norms<T, Layout> in;
+  std::int32_t group_size;
+  group_reduce reduce;
+
+  KVEVICT_HOST_DEVICE std::int32_t columns() const noexcept { return in.cache.capacity; }
+  KVEVICT_HOST_DEVICE std::uint64_t check_head_share(std::int32_t, std::int32_t, std::int32_t,
+                                                     std::int32_t) const noexcept {
+    return head_check::none;
+  }
+  template <int N>
+  KVEVICT_HOST_DEVICE void fold_items(std::int32_t b, std::int32_t h, const std::int32_t (&s)[N],
+                                      slot_increment (&inc)[N]) const noexcept {
+    KVEVICT_UNROLL
+    for (int u = 0; u < N; ++u) inc[u] = increment(b, h, s[u]);
+  }
+  KVEVICT_HOST_DEVICE slot_increment increment(std::int32_t b, std::int32_t h, std::int32_t s) const noexcept {
+    slot_increment out;
+    if (!row_is_mapped(in.cache, b, s)) {
+      out.code = batch_code::bad_page;
+      return out;
+    }
+    out.value = key_norm_score(in.cache.k_row(b, h, s), in.cache.head_dim);
+    if (classify_input(out.value, false) != batch_code::ok) out.code = batch_code::non_finite_kv;
+    return out;
+  }
+};
+
 namespace detail {
 
 /// Thread t of n's share of the checks of (b, h) before observe + evict

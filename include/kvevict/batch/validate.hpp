@@ -123,6 +123,12 @@ void require_cache(const site& w, const batch_state_view& st, const kv_view<T, L
     fail<invalid_argument>(w, "cache.capacity", "= ", cache.capacity, " is below the state's ", st.capacity());
 }
 
+template <class T, class Layout>
+void require_input(const site& w, const batch_state_view& st, const key_norms<T, Layout>& in) {
+  require_cache(w, st, in.cache);
+  require_key_norm_decay(w, st.rule.victim == victim_rule::lowest_score, st.rule.decay);
+}
+
 template <class Q, class T, class Layout>
 void require_input(const site& w, const batch_state_view& st, const batch_queries<Q>& in,
                    const kv_view<T, Layout>& cache) {

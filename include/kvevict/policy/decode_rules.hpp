@@ -13,6 +13,7 @@
 //     gets the same bits (reproducible_math.hpp);
 //   - victim_order: the per-step key whose minimum is the victim, random's
 //     Philox priorities included.
+#include <cmath>
 #include <cstdint>
 
 #include "kvevict/config.hpp"
@@ -278,6 +279,22 @@ KVEVICT_HOST_DEVICE inline float attention_logit_rows(const Q* q, std::int64_t q
   return detail::unaligned_logit(q, q_stride, k, head_dim);
 #else
   return attention_logit(q, q_stride, k, head_dim);
+#endif
+}
+
+/// Key-norm's score of a cached key row k (contiguous, head_dim elements):
+/// -||k||_2 in float, the squares summed as attention_logit_rows sums k . k
+/// (one order on every backend; bf16 keys tie often in their own precision,
+/// rarely in float), then a correctly rounded square root. A NaN or an
+/// infinite element, or a sum of squares that overflows float, gives a
+/// value that is not finite: the callers report it (non_finite_kv).
+template <class K>
+KVEVICT_HOST_DEVICE inline float key_norm_score(const K* k, std::int32_t head_dim) noexcept {
+  const float squares = attention_logit_rows(k, 1, k, head_dim);
+#if defined(__CUDA_ARCH__)
+  return -__fsqrt_rn(squares);
+#else
+  return -std::sqrt(squares);
 #endif
 }
 

@@ -46,6 +46,19 @@ inline h2o_config tova_config(std::int32_t heavy, std::int32_t recent = 0, std::
   return c;
 }
 
+/// Key-norm (Devoto et al., "A Simple and Effective L2 Norm-Based Strategy
+/// for KV Cache Compression", 2024): h2o with decay 0 that observes
+/// key_norms instead of attention, so it keeps the `kept` keys of the
+/// smallest L2 norm beside the sinks and the recent window.
+inline h2o_config key_norm_config(std::int32_t kept, std::int32_t recent = 0, std::int32_t sinks = 0) noexcept {
+  h2o_config c;
+  c.heavy = kept;
+  c.recent = recent;
+  c.sinks = sinks;
+  c.decay = 0.0f;
+  return c;
+}
+
 class h2o_policy;
 
 template <>

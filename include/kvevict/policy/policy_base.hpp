@@ -1,22 +1,15 @@
 #pragma once
 // policy_base: the decode cycle and prefill compression (docs/semantics.md)
 // shared by every policy. A policy hands its decode decision to the base as
-// a decode_rule (decode_rules.hpp, the rules the batched backends run too)
-// and supplies its prefill keep set through CRTP:
-//
-//   void select_keep(b, h, L, const float* prefill_scores,
-//                    std::int32_t* keep) const; // positions, ascending
-//
-// and inherits the rest: slot bookkeeping, validated score updates from every
-// input of score_inputs.hpp, eviction with zero K/V bytes moved, and prefill
-// compaction on any kv_view. Every public call validates first and commits
-// after, so a thrown kvevict::error leaves the policy and the cache unchanged.
-//
-// The decode protocol is enforced per sequence: append (one call or several)
-// -> observe once -> evict or evict_to. An evict after an append without an
-// observe would pick its victim from stale scores, and a second observe would
-// count the step twice: both throw state_error. skip_observe is the explicit
-// opt-out for engines that do not observe every step.
+// a decode_rule (decode_rules.hpp, which the batched backends run too) and
+// its prefill keep set through CRTP (select_keep(b, h, L, prefill_scores,
+// keep): positions, ascending); the base does the rest: slot bookkeeping,
+// validated score updates from every input of score_inputs.hpp, eviction
+// with no K/V bytes moved, prefill compaction on any kv_view. Every public
+// call validates first and commits after: a thrown kvevict::error leaves the
+// policy and the cache unchanged. The protocol is enforced per sequence:
+// append (once or more) -> observe once -> evict or evict_to; evict on stale
+// scores or a second observe throws state_error; skip_observe opts out.
 // All buffers are sized at construction: the decode path allocates nothing.
 #include <algorithm>
 #include <cmath>
@@ -338,6 +331,19 @@ class policy_base {
     commit_increments(w, b, width);
   }
 
+  /// Key-norm path: every occupied slot's score becomes -||k|| (key_norms).
+  template <class T, class Layout>
+  void observe(std::int32_t b, const key_norms<T, Layout>& in) {
+    const detail::site w = where("observe");
+    require_observable(w, b);
+    detail::require_policy_view(w, shape_, in.cache);
+    detail::require_key_norm_decay(w, rule_.victim == victim_rule::lowest_score, rule_.decay);
+    const std::int32_t width = slots_.occupied_width(b);
+    require_rows(w, in.cache, b, width, occupied(b));
+    detail::key_norm_increments(w, in.cache, b, width, occupied(b), scratch_.data(), shape_.capacity);
+    commit_increments(w, b, width);
+  }
+
   // ---- prefill compression: prompt position p sits in slot p ----
 
   /// Scores the prompt from its causal probability matrix, keeps budget
@@ -507,9 +513,7 @@ class policy_base {
   }
 
   /// Prefill scores of (h, p) written by the prefill overloads.
-  const float* prefill_scores(std::int32_t h) const noexcept {
-    return scratch_.data() + std::size_t(h) * shape_.capacity;
-  }
+  const float* prefill_scores(std::int32_t h) const noexcept { return scratch_.data() + h * std::size_t(shape_.capacity); }
 
   template <class T, class Layout, class Wanted>
   void require_rows(const detail::site& w, const kv_view<T, Layout>& view, std::int32_t b, std::int32_t width,

@@ -47,6 +47,16 @@ void require_decay(const Where& where, const char* arg, float decay) {
   if (!(decay >= 0.0f && decay <= 1.0f)) fail<out_of_range>(where, arg, "= ", decay, " is outside [0, 1]");
 }
 
+/// key_norms replace a slot's score every step (score_inputs.hpp): a rule
+/// that evicts by score takes them only with decay 0, else the old norms
+/// would accumulate into the score.
+template <class Where>
+void require_key_norm_decay(const Where& where, bool evicts_by_score, float decay) {
+  if (evicts_by_score && decay != 0.0f)
+    fail<invalid_argument>(where, "in", "is key_norms, whose score replaces the old one each step: the rule's decay "
+                           "must be 0 (key_norm_config), it is ", decay);
+}
+
 template <class Where>
 void require_group_reduce(const Where& where, const char* arg, group_reduce r) {
   if (r != group_reduce::sum && r != group_reduce::mean && r != group_reduce::max)

@@ -36,6 +36,22 @@ void require_finite(const Where& where, const char* arg, float x, Index... index
   fail<non_finite_error>(where, name, "is ", std::isnan(x) ? "NaN" : (x > 0 ? "inf" : "-inf"));
 }
 
+/// Key-norm increments of sequence b: key_norm_score of the cached key of
+/// every wanted (h, s) into out[h * stride + s]; a norm that is not finite
+/// (a NaN or infinite element, or squares that overflow) is named by its
+/// (head, slot) as "-||cache.k||[h][s]".
+template <class Where, class T, class Layout, class Wanted>
+void key_norm_increments(const Where& where, const kv_view<T, Layout>& view, std::int32_t b, std::int32_t width,
+                         Wanted wanted, float* out, std::int32_t stride) {
+  for (std::int32_t h = 0; h < view.num_heads; ++h)
+    for (std::int32_t s = 0; s < width; ++s)
+      if (wanted(h, s)) {
+        const float x = key_norm_score(view.k_row(b, h, s), view.head_dim);
+        require_finite(where, "-||cache.k||", x, h, s);
+        out[std::size_t(h) * stride + s] = x;
+      }
+}
+
 /// A probability (or a sum of them) must be finite and not negative.
 template <class Where, class... Index>
 void require_probability(const Where& where, const char* arg, float x, Index... index) {

@@ -1,0 +1,229 @@
+// Key-norm scoring (key_norms, key_norm_config): the policy keeps the keys of
+// the smallest L2 norm beside the sinks and the recent window. Checked
+// against a real-drop reference written here from the definition (evict the
+// unprotected key of the largest norm, the older on a tie), per sequence and
+// batched, over every dtype and layout; then the refusals.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kvevict/kvevict.hpp"
+#include "support/caches.hpp"
+
+namespace kv = kvevict;
+using kvtest::layout_kind;
+
+namespace {
+
+constexpr std::int32_t kSeqs = 2, kHeads = 2, kDim = 16;
+
+/// One cached token of the reference: its position and the squared norm of
+/// its key (exact: random_value's grid makes every square and sum exact in
+/// double and in float, so the summation order cannot matter).
+struct ref_token {
+  std::int32_t position;
+  double squares;
+};
+
+/// The reference's step for one (b, h): drop the unprotected token of the
+/// largest norm (the lowest position on a tie) while above the budget.
+void reference_evict(std::vector<ref_token>& tokens, std::int32_t budget, std::int32_t sinks, std::int32_t recent,
+                     std::int32_t length) {
+  if (std::int32_t(tokens.size()) <= budget) return;
+  auto victim = tokens.end();
+  for (auto it = tokens.begin(); it != tokens.end(); ++it) {
+    if (it->position < sinks || it->position >= length - recent) continue;
+    if (victim == tokens.end() || it->squares > victim->squares ||
+        (it->squares == victim->squares && it->position < victim->position))
+      victim = it;
+  }
+  REQUIRE(victim != tokens.end());
+  tokens.erase(victim);
+}
+
+template <class T>
+double squares_of(const T* k) {
+  double s = 0;
+  for (std::int32_t d = 0; d < kDim; ++d) s += double(kv::to_float(k[d])) * double(kv::to_float(k[d]));
+  return s;
+}
+
+template <class T>
+void run_stream(layout_kind layout, std::int32_t group, std::uint32_t seed) {
+  std::mt19937 rng(seed);
+  const std::int32_t kept = 2 + std::int32_t(rng() % 5), recent = std::int32_t(rng() % 4),
+                     sinks = std::int32_t(rng() % 3);
+  const kv::h2o_config config = kv::key_norm_config(kept, recent, sinks);
+  const std::int32_t budget = kept + recent + sinks, cap = budget + 1 + std::int32_t(rng() % 3);
+  const kv::policy_shape shape{kSeqs, kHeads, kHeads * group, cap};
+  CAPTURE(kept);
+  CAPTURE(recent);
+  CAPTURE(sinks);
+  kv::h2o_policy single(shape, config);
+  std::vector<unsigned char> memory(kv::batch_state_bytes<kv::h2o_policy>(shape, config));
+  const kv::batch_state_view st = kv::make_batch_state<kv::h2o_policy>(memory.data(), memory.size(), shape, config);
+  kv::init_batch_state(st);
+  std::vector<std::vector<ref_token>> ref(std::size_t(kSeqs) * kHeads);
+  std::vector<T> k_new(std::size_t(kSeqs) * kHeads * kDim), v_new(k_new.size());
+  std::vector<std::uint8_t> flags(kSeqs);
+  std::int64_t evictions = 0;
+  kvtest::with_cache<T>(layout, kSeqs, kHeads, cap, kDim, 2, [&](auto view_a) {
+    kvtest::with_cache<T>(layout, kSeqs, kHeads, cap, kDim, 2, [&](auto view_b) {
+      for (std::int32_t step = 0; step < 40; ++step) {
+        for (auto& f : flags) f = rng() % 4 != 0;
+        for (T& x : k_new)  // even seeds: keys of -1, 0 and 1, whose norms tie often
+          x = seed % 2 ? kvtest::random_value<T>(rng) : kv::from_float<T>(float(std::int32_t(rng() % 3) - 1));
+        for (T& x : v_new) x = kvtest::random_value<T>(rng);
+        // Per sequence: the engine writes the rows at next_slot, then append,
+        // observe, evict; the reference appends and drops.
+        for (std::int32_t b = 0; b < kSeqs; ++b) {
+          if (!flags[std::size_t(b)]) continue;
+          for (std::int32_t h = 0; h < kHeads; ++h) {
+            const std::int32_t s = single.next_slot(b, h);
+            const T* k = &k_new[(std::size_t(b) * kHeads + h) * kDim];
+            std::copy_n(k, kDim, view_a.k_row(b, h, s));
+            std::copy_n(&v_new[(std::size_t(b) * kHeads + h) * kDim], kDim, view_a.v_row(b, h, s));
+            ref[std::size_t(b) * kHeads + h].push_back({single.length(b), squares_of(k)});
+          }
+          single.append(b);
+          single.observe(b, kv::key_norms<T, decltype(view_a.layout)>{view_a});
+          evictions += single.evict(b) > 0;
+          for (std::int32_t h = 0; h < kHeads; ++h)
+            reference_evict(ref[std::size_t(b) * kHeads + h], budget, sinks, recent, single.length(b));
+        }
+        // Batched: append with the scatter, observe + evict from the same keys.
+        std::uint64_t status = kv::batch_status_clear;
+        const auto active = kv::active_set::of_flags(flags.data());
+        const kv::batch_rows<T> k_rows{kv::make_tensor_view<const T>(k_new.data(), kSeqs, kHeads, kDim)};
+        const kv::batch_rows<T> v_rows{kv::make_tensor_view<const T>(v_new.data(), kSeqs, kHeads, kDim)};
+        kv::batched_append(st, active, view_b, k_rows, v_rows, &status);
+        kv::batched_observe_evict(st, active, kv::key_norms<T, decltype(view_b.layout)>{view_b}, nullptr, &status);
+        REQUIRE(status == kv::batch_status_clear);
+        for (std::int32_t b = 0; b < kSeqs; ++b)
+          for (std::int32_t h = 0; h < kHeads; ++h) {
+            CAPTURE(step);
+            CAPTURE(b);
+            CAPTURE(h);
+            const auto& want = ref[std::size_t(b) * kHeads + h];
+            std::vector<std::int32_t> got;
+            for (std::int32_t s = 0; s < cap; ++s) {
+              const std::int32_t p = single.slots().position(b, h, s);
+              CHECK(st.slots.positions_of(b, h)[s] == p);  // batched == per sequence, slot for slot
+              CHECK(st.scores_of(b, h)[s] == single.score(b, h, s));
+              if (p < 0) continue;
+              got.push_back(p);
+              const auto it = std::find_if(want.begin(), want.end(), [&](const ref_token& t) { return t.position == p; });
+              REQUIRE(it != want.end());
+              // -||k||: the exact square root of an exact sum, rounded once.
+              CHECK(single.score(b, h, s) == -static_cast<float>(std::sqrt(it->squares)));
+            }
+            CHECK(got.size() == want.size());
+          }
+      }
+    });
+  });
+  CHECK(evictions > 0);
+}
+
+template <class T>
+void all_layouts() {
+  for (const layout_kind layout : kvtest::all_layouts)
+    for (const std::int32_t group : {1, 4})
+      for (std::uint32_t seed = 1; seed <= 3; ++seed) {
+        CAPTURE(kvtest::name(layout));
+        CAPTURE(group);
+        CAPTURE(seed);
+        run_stream<T>(layout, group, seed);
+      }
+}
+
+}  // namespace
+
+TEST_CASE("key-norm keeps the keys of the smallest norm: per sequence and batched equal a real-drop reference") {
+  all_layouts<float>();
+  all_layouts<kv::half>();
+  all_layouts<kv::bfloat16>();
+}
+
+TEST_CASE("key_norm_score is -||k|| in float, the same bits for every dtype of the same values") {
+  std::mt19937 rng(4);
+  for (int i = 0; i < 200; ++i) {
+    const std::int32_t d = 1 + std::int32_t(rng() % 300);
+    std::vector<float> f(static_cast<std::size_t>(d));
+    std::vector<kv::bfloat16> bf(f.size());
+    std::vector<kv::half> hf(f.size());
+    double squares = 0;
+    for (std::int32_t j = 0; j < d; ++j) {
+      bf[std::size_t(j)] = kvtest::random_value<kv::bfloat16>(rng);
+      f[std::size_t(j)] = kv::to_float(bf[std::size_t(j)]);
+      hf[std::size_t(j)] = kv::from_float<kv::half>(f[std::size_t(j)]);
+      squares += double(f[std::size_t(j)]) * f[std::size_t(j)];
+    }
+    const float want = -static_cast<float>(std::sqrt(squares));  // exact squares: one rounding
+    CHECK(kv::key_norm_score(f.data(), d) == want);
+    CHECK(kv::key_norm_score(bf.data(), d) == want);
+    CHECK(kv::key_norm_score(hf.data(), d) == want);
+  }
+  const float big[2] = {3e19f, 3e19f};  // squares overflow float
+  CHECK(std::isinf(kv::key_norm_score(big, 2)));
+}
+
+TEST_CASE("key_norms: a rule that accumulates is refused, a bad key is named, and nothing changes") {
+  const kv::policy_shape shape{kSeqs, kHeads, kHeads, 8};
+  auto cache = kv::make_bhsd_cache<float>(kSeqs, kHeads, 8, kDim);
+  std::mt19937 rng(9);
+  for (float& x : cache.k_storage()) x = kvtest::random_value<float>(rng);
+  const kv::key_norms<float, kv::strided_layout> keys{cache.view()};
+
+  // Per sequence: H2O's decay 1 would sum the norms of every step.
+  kv::h2o_policy h2o(shape, kv::h2o_config{3, 2});
+  h2o.append(0);
+  CHECK_THROWS_WITH_AS(h2o.observe(0, keys), doctest::Contains("decay"), kv::invalid_argument);
+  CHECK(h2o.awaiting_observe(0));  // the step is still due
+  kv::recent_window_policy window(shape, kv::recent_window_config{1, 3});  // scores unused: any input
+  window.append(0);
+  CHECK_NOTHROW(window.observe(0, keys));
+  kv::h2o_policy norms(shape, kv::key_norm_config(3, 2));
+  norms.append(0);
+  norms.append(1);
+  cache.view().k_row(0, 1, 0)[5] = std::numeric_limits<float>::quiet_NaN();
+  CHECK_THROWS_WITH_AS(norms.observe(0, keys), doctest::Contains("-||cache.k||[1][0]"), kv::non_finite_error);
+  CHECK(norms.awaiting_observe(0));
+  CHECK(norms.score(0, 0, 0) == 0.0f);
+  CHECK_NOTHROW(norms.observe(1, keys));  // sequence 1's keys are finite
+  CHECK(norms.score(1, 0, 0) < 0.0f);
+
+  // Batched: the same refusal as an argument error; the bad key as a status
+  // word naming (sequence, head, slot), that head left unchanged.
+  const kv::h2o_config accumulate{3, 2};
+  std::vector<unsigned char> m1(kv::batch_state_bytes<kv::h2o_policy>(shape, accumulate));
+  const auto st1 = kv::make_batch_state<kv::h2o_policy>(m1.data(), m1.size(), shape, accumulate);
+  kv::init_batch_state(st1);
+  std::uint64_t status = kv::batch_status_clear;
+  kv::batched_append(st1, kv::active_set::all(), &status);
+  CHECK_THROWS_WITH_AS(kv::batched_observe_evict(st1, kv::active_set::all(), keys, nullptr, &status),
+                       doctest::Contains("decay"), kv::invalid_argument);
+  CHECK(st1.appended[0] == 1);
+  const kv::h2o_config zero = kv::key_norm_config(3, 2);
+  std::vector<unsigned char> m2(kv::batch_state_bytes<kv::h2o_policy>(shape, zero));
+  const auto st2 = kv::make_batch_state<kv::h2o_policy>(m2.data(), m2.size(), shape, zero);
+  kv::init_batch_state(st2);
+  kv::batched_append(st2, kv::active_set::all(), &status);
+  REQUIRE(status == kv::batch_status_clear);
+  kv::batched_observe_evict(st2, kv::active_set::all(), keys, nullptr, &status);
+  const kv::batch_status got = kv::batch_status::unpack(status);
+  CHECK(got.code == kv::batch_code::non_finite_kv);
+  CHECK(got.sequence == 0);
+  CHECK(got.head == 1);
+  CHECK(got.index == 0);
+  CHECK(st2.appended[st2.head_index(0, 1)] == 1);  // refused: still awaiting its observe
+  CHECK(st2.scores_of(0, 1)[0] == 0.0f);
+  CHECK(st2.appended[st2.head_index(0, 0)] == 0);  // the other heads stepped
+  CHECK(st2.scores_of(1, 1)[0] < 0.0f);
+}
