@@ -56,8 +56,9 @@ declare -A CHOSEN=(
   # queries), append with the K/V scatter, resets after a bad input;
   # random: its Philox-keyed victim and reset_kernel with request streams;
   # split rows: several blocks per row (the workspace partials, the last
-  # block's merge and commit) on every input kind.
-  [test_cuda_decode]='cuda h2o*,cuda random*,cuda split rows*'
+  # block's merge and commit) on every input kind; key_norms: the key-norm
+  # source, short and split rows.
+  [test_cuda_decode]='cuda h2o*,cuda random*,cuda split rows*,cuda key_norms*'
   # One-block and multi-block paths, the CUB reorder by position, mask-only
   # and indices-only outputs, ragged lengths: every selection kernel.
   [test_cuda_select]='cuda select: uniform k*'

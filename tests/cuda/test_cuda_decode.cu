@@ -430,6 +430,81 @@ void run_split(std::uint32_t seed, input_kind kind, layout_kind layout) {
   });
 }
 
+/// Key-norm (key_norms input, key_norm_config): host and CUDA from the same
+/// keys, short rows filled from empty or long rows (several blocks each)
+/// filled at the start; at step `bad` a NaN goes into an occupied key of
+/// (0, 0) in both caches, a non_finite_kv that leaves that head unchanged.
+template <class T>
+void run_key_norms(std::uint32_t seed, layout_kind layout, std::int32_t group, bool long_rows) {
+  CAPTURE(seed);
+  CAPTURE(std::string(kvtest::name(layout)));
+  CAPTURE(group);
+  CAPTURE(long_rows);
+  std::mt19937 rng(seed);
+  kvtest::batch_dims dm;
+  dm.seqs = 3;
+  dm.heads = 2;
+  dm.group = group;
+  dm.head_dim = 16;
+  dm.capacity = long_rows ? 2 * decode_tuning::tile + 1 + std::int32_t(rng() % 2500) : 6 + std::int32_t(rng() % 10);
+  const std::int32_t cap = dm.capacity, B = dm.seqs, H = dm.heads, D = dm.head_dim;
+  const std::int32_t sinks = std::int32_t(rng() % 3), recent = 1 + std::int32_t(rng() % 3);
+  const h2o_config config = key_norm_config(cap - 1 - sinks - recent, recent, sinks);
+  const policy_shape shape{B, H, dm.q_heads(), cap};
+  batched_policy<h2o_policy> ref(shape, config);
+  batched_policy<h2o_policy, device::cuda> dev(shape, config);
+  if (long_rows) {
+    fill_state<h2o_policy>(ref.state(), rng, cap + 5);
+    KVTEST_CUDA(gpu::copy_batch_state(dev.state(), ref.state(), cudaMemcpyHostToDevice, nullptr));
+  }
+  kvtest::host_state_mirror<h2o_policy> mirror(shape, config);
+  const std::int32_t steps = long_rows ? 4 : 24, bad = steps - 2;
+  kvtest::with_cache<T>(layout, B, H, cap, D, 16, [&](const auto& view) {
+    using L = std::decay_t<decltype(view.layout)>;
+    for (std::int32_t b = 0; b < B; ++b)
+      for (std::int32_t h = 0; h < H; ++h)
+        for (std::int32_t s = 0; s < cap; ++s)
+          if (row_is_mapped(view, b, s))
+            for (std::int32_t d = 0; d < D; ++d) {
+              // even seeds: keys of -1, 0 and 1, whose norms tie often
+              view.k_row(b, h, s)[d] = seed % 2 ? kvtest::random_value<T>(rng) : from_float<T>(float(int(rng() % 3) - 1));
+              view.v_row(b, h, s)[d] = kvtest::random_value<T>(rng);
+            }
+    kvtest::device_cache dcache(view);
+    device_buffer<std::int32_t> victims(std::size_t(B) * H);
+    std::int64_t evictions = 0;
+    for (std::int32_t step = 0; step < steps; ++step) {
+      CAPTURE(step);
+      kvtest::batch_step<T> st = kvtest::draw_step<T>(rng, dm, 0.25);
+      const device_step<T> ds(st);
+      ref.append(view, batch_rows<T>{make_tensor_view<const T>(st.k_new.data(), B, H, D)},
+                 batch_rows<T>{make_tensor_view<const T>(st.v_new.data(), B, H, D)}, st.active_set());
+      dev.append(dcache.view, batch_rows<T>{make_tensor_view<const T>(ds.k_new.get(), B, H, D)},
+                 batch_rows<T>{make_tensor_view<const T>(ds.v_new.get(), B, H, D)}, ds.active(st));
+      if (step == bad) {  // an occupied slot of (0, 0), in both caches
+        const std::int32_t s = std::int32_t(rng() % std::uint32_t(std::max(1, ref.state().slots.counts[0])));
+        view.k_row(0, 0, s)[3] = from_float<T>(std::nanf(""));
+        KVTEST_CUDA(cudaMemcpy(dcache.view.k_row(0, 0, s) + 3, view.k_row(0, 0, s) + 3, sizeof(T), cudaMemcpyHostToDevice));
+      }
+      std::vector<std::int32_t> want(std::size_t(B) * H, -7);
+      KVTEST_CUDA(cudaMemcpy(victims.get(), want.data(), want.size() * 4, cudaMemcpyHostToDevice));
+      ref.observe_evict(key_norms<T, L>{view}, st.active_set(), want.data());
+      dev.observe_evict(key_norms<T, L>{dcache.view}, ds.active(st), victims.get());
+      CHECK(victims.download() == want);
+      CHECK(dev.status_word() == ref.status_word());
+      if (step == bad && st.active(0)) CHECK(batch_status::unpack(ref.status_word()).code == batch_code::non_finite_kv);
+      for (std::int32_t x : want) evictions += x >= 0;
+      mirror.read(dev.state());
+      kvtest::check_same_state(ref.state(), mirror.view);
+      CHECK(dcache.same_bytes_as(view));
+      if (step == bad) break;  // (0, 0) now waits for a retry: the stream ends
+      ref.check();
+      dev.check();
+    }
+    CHECK(evictions > 0);
+  });
+}
+
 }  // namespace
 
 TEST_CASE("cuda split rows: several blocks per row, every input kind and policy, a bad input in any chunk") {
@@ -451,6 +526,22 @@ TEST_CASE("cuda split rows: several blocks per row, every input kind and policy,
           default: run(kvevict::bfloat16{}); break;
         }
       }
+}
+
+TEST_CASE("cuda key_norms equals the host backend bit for bit: short and split rows, every dtype, a NaN key") {
+  // One instantiation per dtype x layout kind (strided, paged): bhsd and
+  // paged_hnd; GQA 1 and 4 (the group plays no part in the score).
+  std::uint32_t seed = 1;
+  const int stride = kvtest::quick_stride(1);
+  for (const layout_kind layout : {layout_kind::bhsd, layout_kind::paged_hnd})
+    for (const std::int32_t group : {1, 4})
+      for (const bool long_rows : {false, true})
+        for (int dtype = 0; dtype < 3; ++dtype, ++seed) {
+          if (seed % stride != 0) continue;
+          if (dtype == 0) run_key_norms<float>(seed, layout, group, long_rows);
+          else if (dtype == 1) run_key_norms<kvevict::half>(seed, layout, group, long_rows);
+          else run_key_norms<kvevict::bfloat16>(seed, layout, group, long_rows);
+        }
 }
 
 TEST_CASE("cuda: capacities from 2 to 128K slots, including sizes that are not multiples of the block") {
