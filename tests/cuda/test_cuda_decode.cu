@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <iterator>
 #include <random>
@@ -484,7 +485,10 @@ void run_key_norms(std::uint32_t seed, layout_kind layout, std::int32_t group, b
       if (step == bad) {  // an occupied slot of (0, 0), in both caches
         const std::int32_t s = std::int32_t(rng() % std::uint32_t(std::max(1, ref.state().slots.counts[0])));
         view.k_row(0, 0, s)[3] = from_float<T>(std::nanf(""));
-        KVTEST_CUDA(cudaMemcpy(dcache.view.k_row(0, 0, s) + 3, view.k_row(0, 0, s) + 3, sizeof(T), cudaMemcpyHostToDevice));
+        // The same element offset in the device copy (its k_row would read
+        // the device page table on the host).
+        const std::ptrdiff_t at = view.k_row(0, 0, s) + 3 - view.k;
+        KVTEST_CUDA(cudaMemcpy(dcache.view.k + at, view.k + at, sizeof(T), cudaMemcpyHostToDevice));
       }
       std::vector<std::int32_t> want(std::size_t(B) * H, -7);
       KVTEST_CUDA(cudaMemcpy(victims.get(), want.data(), want.size() * 4, cudaMemcpyHostToDevice));
