@@ -241,6 +241,49 @@ void batched_queries_step(benchmark::State& state, scenario sc) {
   kvbench::report(state, sc.heads_total(), fx.bytes);
 }
 
+// ---- the key-norm path: scores from the cached keys alone ----
+
+// Bytes: the cached keys of every occupied slot and the per-slot state (no
+// queries). Same protection as the h2o rows, decay 0 (key_norm_config).
+template <class T>
+void key_norm_step(benchmark::State& state, scenario sc, bool batched) {
+  queries_fixture<T> fx(sc);  // its cache; the queries go unused
+  h2o_config config = h2o_setup::config(sc.slots - 1);
+  config.decay = 0.0f;
+  const auto view = fx.cache.view();
+  const key_norms<T, strided_layout> keys{view};
+  const std::int64_t bytes =
+      sc.slots_total() * (std::int64_t(sc.head_dim) * std::int64_t(sizeof(T)) + kStateBytesPerSlot);
+  if (batched) {
+    batched_policy<h2o_policy, device::host> layer(shape_of(sc), config);
+    std::uint64_t status = batch_status_clear;
+    batched_append_tokens(layer.state(), active_set::all(), sc.slots, &status);
+    throw_if_error(status, "fill");
+    layer.observe_evict(keys);
+    layer.check();
+    for (auto _ : state) {
+      layer.append();
+      layer.observe_evict(keys);
+      benchmark::DoNotOptimize(layer.status_word());
+    }
+    layer.check();
+  } else {
+    h2o_policy policy(shape_of(sc), config);
+    for (std::int32_t b = 0; b < sc.seqs; ++b) {
+      policy.append(b, sc.slots, nullptr);
+      policy.observe(b, keys);
+      policy.evict(b);
+    }
+    for (auto _ : state)
+      for (std::int32_t b = 0; b < sc.seqs; ++b) {
+        policy.append(b);
+        policy.observe(b, keys);
+        benchmark::DoNotOptimize(policy.evict(b));
+      }
+  }
+  kvbench::report(state, sc.heads_total(), bytes);
+}
+
 // ---- baselines ----
 
 // One (b, h) of the fused loop: one pass over the row adds the folded
@@ -422,6 +465,13 @@ void register_queries(const scenario& sc) {
       ->Unit(unit_of(sc));
   benchmark::RegisterBenchmark(name("h2o_batched", "queries", sc, distribution::uniform, dtype.c_str()).c_str(),
                                batched_queries_step<T>, sc)
+      ->Unit(unit_of(sc));
+  // Key-norm reads the same keys with no queries: its baseline is the rows above.
+  benchmark::RegisterBenchmark(name("key_norm", "keys", sc, distribution::uniform, dtype.c_str()).c_str(),
+                               key_norm_step<T>, sc, false)
+      ->Unit(unit_of(sc));
+  benchmark::RegisterBenchmark(name("key_norm_batched", "keys", sc, distribution::uniform, dtype.c_str()).c_str(),
+                               key_norm_step<T>, sc, true)
       ->Unit(unit_of(sc));
 }
 
