@@ -27,7 +27,8 @@ class H2OConfig:
     ``decay`` (gamma in [0, 1]) makes each step's score ``decay * score +
     attention``: 1 is H2O's accumulated attention, 0 is TOVA (the current
     query's attention alone, see :meth:`tova`), values between an
-    exponential moving attention."""
+    exponential moving attention. Fed key norms instead of attention
+    (:meth:`key_norm`), decay must be 0."""
 
     heavy: int
     recent: int
@@ -49,6 +50,17 @@ class H2OConfig:
         """TOVA (Oren et al., 2024): decay 0, so the victim is the token the
         newest query attends to least (the C++ ``tova_config``)."""
         return H2OConfig(heavy, recent, reduce, 0.0, sinks)
+
+    @staticmethod
+    def key_norm(kept: int, recent: int = 0, sinks: int = 0) -> "H2OConfig":
+        """Key-norm (Devoto et al., 2024): decay 0, for
+        :meth:`BatchedPolicy.observe_evict_key_norms`, whose score of a slot
+        is ``-||k||_2`` of its cached key, so the policy keeps the ``kept``
+        keys of the smallest L2 norm beside the ``sinks`` and the ``recent``
+        window (the C++ ``key_norm_config``). The config itself is plain h2o
+        (the same as ``tova(kept, recent, sinks, "sum")``): what makes it
+        key-norm is the input it is observed with."""
+        return H2OConfig(kept, recent, "sum", 0.0, sinks)
 
     def _abc(self) -> tuple[int, int, int]:
         if self.reduce not in _REDUCE:

@@ -13,7 +13,8 @@ Bad data raises on CPU when the op returns; on CUDA it is recorded in the
 state and raised by :meth:`BatchedPolicy.check`.
 
 ``layout``: 0 bhsd, 1 bshd, 2 paged nhd, 3 paged hnd (:class:`CacheView`).
-``input``: observe_evict 0 probs, 1 head scores, 2 logits;
+``input``: observe_evict 0 probs, 1 head scores, 2 logits (queries + LSE and
+key norms have their own ops, which read the cache);
 prefill 0 probs, 1 column sums, 2 queries, 3 none. ``base``: 0 natural, 1 base 2.
 """
 
@@ -35,6 +36,7 @@ __all__ = [
     "append_kv",
     "observe_evict",
     "observe_evict_queries",
+    "observe_evict_key_norms",
     "prefill",
     "append_tokens",
     "evict_to",
@@ -168,6 +170,30 @@ def observe_evict_queries(
 
 @observe_evict_queries.register_fake
 def _(state, desc, queries, lse, scale, base, k_cache, v_cache, page_table, layout, active=None):
+    return state.new_empty(_heads(desc), dtype=torch.int32)
+
+
+@custom_op("kvevict::observe_evict_key_norms", mutates_args=("state",), device_types=("cpu", "cuda"))
+def observe_evict_key_norms(
+    state: Tensor,
+    desc: List[int],
+    k_cache: Tensor,
+    page_table: Optional[Tensor],
+    layout: int,
+    active: Optional[Tensor] = None,
+) -> Tensor:
+    """Observe + evict from the key cache alone: each occupied slot's score
+    becomes -||k||_2 of its cached key (h2o: with decay 0, ``H2OConfig.key_norm``);
+    returns the freed slots, int32 [B, Hkv]."""
+    victims = torch.full(_heads(desc), -1, dtype=torch.int32, device=state.device)
+    _ext.observe_evict_key_norms(
+        _descriptor(desc), _a(state), layout, _a(k_cache), _a(page_table), _a(victims), _a(active), _stream(state)
+    )
+    return victims
+
+
+@observe_evict_key_norms.register_fake
+def _(state, desc, k_cache, page_table, layout, active=None):
     return state.new_empty(_heads(desc), dtype=torch.int32)
 
 

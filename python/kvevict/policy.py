@@ -29,7 +29,7 @@ import numpy as np
 
 from . import _ext
 from ._arrays import for_ext, is_torch
-from .cache import CacheView
+from .cache import LAYOUT_CODES, CacheView, Layout
 from .config import ExactGreedyConfig, PolicyConfig, descriptor_values
 
 LseBase = Literal["natural", "base2"]
@@ -245,6 +245,7 @@ class BatchedPolicy:
         ``base``: ``"natural"`` LSE (FlashAttention) or ``"base2"`` (FlashInfer).
         Returns the freed slot per (sequence, head), int32 [num_seqs,
         num_kv_heads], -1 where nothing was freed (written into ``out`` if given).
+        Key-norm scoring, from the keys alone: :meth:`observe_evict_key_norms`.
         """
         given = [n for n, x in (("probs", probs), ("head_scores", head_scores), ("logits", logits), ("queries", queries)) if x is not None]
         if len(given) != 1:
@@ -280,6 +281,57 @@ class BatchedPolicy:
         _ext.observe_evict(
             self._desc, for_ext(self.state), kind, for_ext(x), for_ext(lse), float(scale), base_code, for_ext(victims),
             for_ext(active), self._stream(stream),
+        )  # fmt: skip
+        return victims
+
+    def observe_evict_key_norms(
+        self,
+        k_cache: Any,
+        *,
+        layout: Optional[Layout] = None,
+        page_table: Any = None,
+        active: Any = None,
+        out: Any = None,
+        stream: Any = None,
+    ) -> Any:
+        """Steps 5 and 6 from the keys alone (key-norm scoring): every occupied
+        slot's score becomes ``-||k||_2`` of its cached key, replacing the old
+        score, and, above the budget, one victim slot per head is freed: the
+        unprotected key of the largest norm (the older on a tie). h2o takes it
+        only with decay 0 (:meth:`H2OConfig.key_norm`); recent_window and
+        random accept it (their victims do not depend on scores); exact_greedy
+        refuses it.
+
+        ``k_cache``: the K buffer in ``layout`` (``"bhsd"`` by default,
+        ``"bshd"``, ``"paged_nhd"``, ``"paged_hnd"``; paged with an int32
+        ``page_table``; shapes as in :class:`CacheView`), or a
+        :class:`CacheView`, whose K, layout and page table are used. V is not
+        read. A key whose norm is not finite (NaN, infinity, or squares
+        that overflow float32) leaves its head unchanged and raises
+        :class:`NonFiniteError` (on CUDA, at :meth:`check`). Returns the freed
+        slot per (sequence, head), int32 [num_seqs, num_kv_heads], -1 where
+        nothing was freed (written into ``out`` if given)."""
+        if isinstance(k_cache, CacheView):
+            if page_table is not None or layout is not None:
+                raise _ext.InvalidArgument(
+                    "kvevict.observe_evict_key_norms: argument 'layout'/'page_table' come from the CacheView"
+                )
+            k, ext_k, code, page_table = k_cache.k, k_cache._ext_k(), k_cache._code, k_cache.page_table
+        else:
+            layout = "bhsd" if layout is None else layout
+            if layout not in LAYOUT_CODES:
+                raise _ext.InvalidArgument(
+                    f"kvevict.observe_evict_key_norms: argument 'layout' = {layout!r} is not one of "
+                    f"{', '.join(LAYOUT_CODES)}"
+                )
+            k, ext_k, code = k_cache, None, LAYOUT_CODES[layout]
+        active = self._active(active)
+        if self._compiling():
+            return self._ops().observe_evict_key_norms(self.state, self.descriptor, k, page_table, code, active)
+        victims = self._victims(out)
+        _ext.observe_evict_key_norms(
+            self._desc, for_ext(self.state), code, for_ext(k) if ext_k is None else ext_k, for_ext(page_table),
+            for_ext(victims), for_ext(active), self._stream(stream),
         )  # fmt: skip
         return victims
 

@@ -13,13 +13,16 @@ from typing import Any, List, Optional, Union
 import numpy as np
 
 from . import _ext
+from ._arrays import for_ext
+from .cache import LAYOUT_CODES
 from .config import ExactGreedyConfig, H2OConfig, RandomConfig, RecentWindowConfig
 
 _REDUCE = {"sum": 0, "mean": 1, "max": 2}
 
 
 class SequencePolicy:
-    """A per-sequence policy (host): ``append(b)``, ``observe_*(b, ...)``,
+    """A per-sequence policy (host): ``append(b)``, ``observe_*(b, ...)``
+    (``observe_key_norms`` reads the caller's K buffer),
     ``evict(b)``, ``prefill_column_sums(b, L, sums)``, ``reset(b)``, and copies
     of the slot table (``positions()``, ``counts()``, ``scores()``).
 
@@ -69,6 +72,17 @@ class SequencePolicy:
 
     def observe_logits(self, b: int, logits: Any, lse: Any, scale: float = 1.0, base: str = "natural") -> None:
         self._p.observe_logits(b, logits, lse, scale, 0 if base == "natural" else 1)
+
+    def observe_key_norms(self, b: int, k_cache: Any, layout: str = "bhsd", page_table: Any = None) -> None:
+        """Key-norm scoring of sequence b: each occupied slot's score becomes
+        ``-||k||_2`` of its key in ``k_cache`` (the whole batch's K buffer in
+        ``layout``, as :class:`CacheView` describes it; V is not read). h2o
+        takes it only with decay 0 (:meth:`H2OConfig.key_norm`)."""
+        if layout not in LAYOUT_CODES:
+            raise _ext.InvalidArgument(
+                f"kvevict.SequencePolicy: argument 'layout' = {layout!r} is not one of {', '.join(LAYOUT_CODES)}"
+            )
+        self._p.observe_key_norms(b, LAYOUT_CODES[layout], for_ext(k_cache), for_ext(page_table))
 
     def skip_observe(self, b: int) -> None:
         self._p.skip_observe(b)

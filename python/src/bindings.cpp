@@ -393,38 +393,31 @@ kvevict::active_set parse_active(nb::handle obj, const state_ref& st, const char
            concat("has dtype ", dtype_name(a.dtype()), ", expected int32 (sequence indices) or uint8/bool (flags)"));
 }
 
-/// The cache view of (layout, k, v, page_table).
-any_cache parse_cache(std::int32_t layout, nb::handle k_obj, nb::handle v_obj, nb::handle table_obj,
-                      const state_ref& st, const char* call) {
+/// A cache layout code, checked.
+cache_layout parse_layout(std::int32_t layout, const char* call) {
   if (layout < 0 || layout > 3)
     fail_arg(call, "layout", concat("= ", layout, " is not a cache layout (0 bhsd, 1 bshd, 2 paged nhd, 3 paged hnd)"));
-  const auto kind = static_cast<cache_layout>(layout);
+  return static_cast<cache_layout>(layout);
+}
+
+const char* layout_dims(cache_layout kind) noexcept {
+  return kind == cache_layout::bhsd        ? "[num_seqs][num_kv_heads][capacity][head_dim]"
+         : kind == cache_layout::bshd      ? "[num_seqs][capacity][num_kv_heads][head_dim]"
+         : kind == cache_layout::paged_nhd ? "[num_pages][page_size][num_kv_heads][head_dim]"
+                                           : "[num_pages][num_kv_heads][page_size][head_dim]";
+}
+
+/// The geometry of a cache from its K array (device, rank and dtype already
+/// checked) and page table: every field of any_cache but `v`.
+template <class A>
+any_cache describe_cache(cache_layout kind, const A& k, elem type, nb::handle table_obj, const device& dev,
+                         std::int32_t state_capacity, const char* call) {
   const bool paged = kind == cache_layout::paged_nhd || kind == cache_layout::paged_hnd;
-  const char* dims = kind == cache_layout::bhsd   ? "[num_seqs][num_kv_heads][capacity][head_dim]"
-                     : kind == cache_layout::bshd ? "[num_seqs][capacity][num_kv_heads][head_dim]"
-                     : kind == cache_layout::paged_nhd ? "[num_pages][page_size][num_kv_heads][head_dim]"
-                                                       : "[num_pages][num_kv_heads][page_size][head_dim]";
-  out_array k = as_array<out_array>(k_obj, call, "k_cache");
-  out_array v = as_array<out_array>(v_obj, call, "v_cache");
-  require_device(k, st.dev, call, "k_cache");
-  require_device(v, st.dev, call, "v_cache");
-  require_rank(k, 4, call, "k_cache", dims);
-  require_rank(v, 4, call, "v_cache", dims);
-  any_cache c;
-  c.type = elem_of(k, call, "k_cache");
-  if (elem_of(v, call, "v_cache") != c.type)
-    fail_arg(call, "v_cache", concat("has dtype ", dtype_name(v.dtype()), ", k_cache has ", dtype_name(k.dtype())));
-  for (std::size_t d = 0; d < 4; ++d) {
-    if (v.shape(d) != k.shape(d))
-      fail_arg(call, "v_cache", concat("has extent ", v.shape(d), " in dimension ", d, ", k_cache has ", k.shape(d)));
-    if (v.stride(d) != k.stride(d) && k.shape(d) > 1)
-      fail_arg(call, "v_cache", concat("has stride ", v.stride(d), " in dimension ", d, ", k_cache has ", k.stride(d),
-                                       " (one layout serves both)"));
-  }
   if (k.shape(3) > 1 && k.stride(3) != 1)
     fail_arg(call, "k_cache", concat("has stride ", k.stride(3), " in its last dimension; rows (head_dim) must be contiguous"));
-  c.k = k.data();
-  c.v = v.data();
+  any_cache c;
+  c.type = type;
+  c.k = const_cast<void*>(static_cast<const void*>(k.data()));
   c.head_dim = static_cast<std::int32_t>(k.shape(3));
   c.paged = paged;
   if (!paged) {
@@ -440,7 +433,7 @@ any_cache parse_cache(std::int32_t layout, nb::handle k_obj, nb::handle v_obj, n
   }
   if (table_obj.is_none()) fail_arg(call, "page_table", "is required for a paged cache");
   const in_array t = as_array<in_array>(table_obj, call, "page_table");
-  require_device(t, st.dev, call, "page_table");
+  require_device(t, dev, call, "page_table");
   require_rank(t, 2, call, "page_table", "[num_seqs][max_pages_per_seq]");
   require_dtype(t, nb::dlpack::dtype_code::Int, 32, call, "page_table");
   if (t.shape(1) > 1 && t.stride(1) != 1) fail_arg(call, "page_table", "rows must be contiguous");
@@ -457,10 +450,59 @@ any_cache parse_cache(std::int32_t layout, nb::handle k_obj, nb::handle v_obj, n
   c.num_seqs = static_cast<std::int32_t>(t.shape(0));
   c.num_heads = static_cast<std::int32_t>(k.shape(nhd ? 2 : 1));
   const std::int64_t capacity = std::int64_t{l.max_pages_per_seq} * l.page_size;
-  c.capacity = capacity > st.view.capacity() ? st.view.capacity() : static_cast<std::int32_t>(capacity);
-  if (capacity < st.view.capacity())
+  c.capacity = capacity > state_capacity ? state_capacity : static_cast<std::int32_t>(capacity);
+  if (capacity < state_capacity)
     fail_arg(call, "page_table", concat("has ", l.max_pages_per_seq, " pages of ", l.page_size,
-                                        " slots per sequence, below the state's capacity ", st.view.capacity()));
+                                        " slots per sequence, below the state's capacity ", state_capacity));
+  return c;
+}
+
+/// The cache view of (layout, k, v, page_table).
+any_cache parse_cache(std::int32_t layout, nb::handle k_obj, nb::handle v_obj, nb::handle table_obj,
+                      const state_ref& st, const char* call) {
+  const cache_layout kind = parse_layout(layout, call);
+  const char* dims = layout_dims(kind);
+  out_array k = as_array<out_array>(k_obj, call, "k_cache");
+  out_array v = as_array<out_array>(v_obj, call, "v_cache");
+  require_device(k, st.dev, call, "k_cache");
+  require_device(v, st.dev, call, "v_cache");
+  require_rank(k, 4, call, "k_cache", dims);
+  require_rank(v, 4, call, "v_cache", dims);
+  const elem type = elem_of(k, call, "k_cache");
+  if (elem_of(v, call, "v_cache") != type)
+    fail_arg(call, "v_cache", concat("has dtype ", dtype_name(v.dtype()), ", k_cache has ", dtype_name(k.dtype())));
+  for (std::size_t d = 0; d < 4; ++d) {
+    if (v.shape(d) != k.shape(d))
+      fail_arg(call, "v_cache", concat("has extent ", v.shape(d), " in dimension ", d, ", k_cache has ", k.shape(d)));
+    if (v.stride(d) != k.stride(d) && k.shape(d) > 1)
+      fail_arg(call, "v_cache", concat("has stride ", v.stride(d), " in dimension ", d, ", k_cache has ", k.stride(d),
+                                       " (one layout serves both)"));
+  }
+  any_cache c = describe_cache(kind, k, type, table_obj, st.dev, st.view.capacity(), call);
+  c.v = v.data();
+  return c;
+}
+
+/// The cache view of (layout, k, page_table) for a call that reads the keys
+/// alone (key norms), K read-only. kvevict's kv_view has a V buffer, which
+/// the key-norm path never reads but validates (non-null, disjoint from K):
+/// it is given the address one past the last element of K, which lies
+/// outside K's rows and is never dereferenced.
+any_cache parse_keys(std::int32_t layout, nb::handle k_obj, nb::handle table_obj, const device& dev,
+                     std::int32_t state_capacity, const char* call) {
+  const cache_layout kind = parse_layout(layout, call);
+  const in_array k = as_array<in_array>(k_obj, call, "k_cache");
+  require_device(k, dev, call, "k_cache");
+  require_rank(k, 4, call, "k_cache", layout_dims(kind));
+  const elem type = elem_of(k, call, "k_cache");
+  any_cache c = describe_cache(kind, k, type, table_obj, dev, state_capacity, call);
+  std::int64_t span = 1;  // elements from K's first to one past its last
+  for (std::size_t d = 0; d < 4; ++d) {
+    if (k.shape(d) == 0) span = 0;
+    if (span) span += (static_cast<std::int64_t>(k.shape(d)) - 1) * k.stride(d);
+  }
+  const std::size_t bytes = static_cast<std::size_t>(span) * (type == elem::f32 ? 4 : 2);
+  c.v = c.k ? static_cast<void*>(static_cast<unsigned char*>(c.k) + bytes) : nullptr;
   return c;
 }
 
@@ -638,6 +680,29 @@ void observe_evict_queries(const Descriptor& desc, nb::handle memory, nb::handle
                      });
                    }),
       cuda::observe_evict_queries(st.view, active, q, lse, scale, base, cache, victims, st.status, stream_of(stream)));
+}
+
+/// Observe + evict from the key norms of the cache: each occupied slot's
+/// score becomes -||k|| (kvevict::key_norms; h2o takes it with decay 0).
+void observe_evict_key_norms(const Descriptor& desc, nb::handle memory, std::int32_t layout, nb::handle k,
+                             nb::handle page_table, nb::handle victims_obj, nb::handle active_obj,
+                             std::uintptr_t stream) {
+  const char* call = "observe_evict";
+  const state_ref st = resolve_state(desc, memory, call);
+  const any_cache cache = parse_keys(layout, k, page_table, st.dev, st.view.capacity(), call);
+  const kvevict::active_set active = parse_active(active_obj, st, call);
+  std::int32_t* victims =
+      int32_output(victims_obj, st.dev, std::size_t(st.view.num_seqs()) * st.view.num_heads(), call, "victims");
+  KVEVICT_PY_ON_DEVICE(
+      st, run_host(st, call,
+                   [&] {
+                     visit_cache(cache, [&](auto view) {
+                       using V = decltype(view);
+                       const kvevict::key_norms<typename V::element_type, typename V::layout_type> in{view};
+                       kvevict::batched_observe_evict(st.view, active, in, victims, st.status);
+                     });
+                   }),
+      cuda::observe_evict_key_norms(st.view, active, cache, victims, st.status, stream_of(stream)));
 }
 
 void append_tokens(const Descriptor& desc, nb::handle memory, std::int32_t tokens, nb::handle active_obj,
@@ -913,6 +978,14 @@ class SequencePolicy {
                                          input<1>(lse, "observe", "lse", "[num_q_heads]"), scale,
                                          parse_base(base, "observe")});
   }
+  /// Key norms of sequence b's cached keys (k_cache in `layout`, as the batched calls take it).
+  void observe_key_norms(std::int32_t b, std::int32_t layout, nb::handle k, nb::handle page_table) {
+    const any_cache cache = parse_keys(layout, k, page_table, device{}, p_.shape().capacity, "observe");
+    visit_cache(cache, [&](auto view) {
+      using V = decltype(view);
+      p_.observe(b, kvevict::key_norms<typename V::element_type, typename V::layout_type>{view});
+    });
+  }
   void skip_observe(std::int32_t b) { p_.skip_observe(b); }
   /// The freed slot of each KV head, -1 where nothing was evicted.
   std::vector<std::int32_t> evict(std::int32_t b) {
@@ -992,6 +1065,8 @@ void bind_sequence_policy(nb::module_& m, const char* name, const char* doc, Mak
       .def("observe_probs", &S::observe_probs, "b"_a, "probs"_a, "Adds the step's probabilities [Hq][slots] to the scores.")
       .def("observe_head_scores", &S::observe_head_scores, "b"_a, "scores"_a)
       .def("observe_logits", &S::observe_logits, "b"_a, "logits"_a, "lse"_a, "scale"_a = 1.0f, "base"_a = 0)
+      .def("observe_key_norms", &S::observe_key_norms, "b"_a, "layout"_a, "k_cache"_a, "page_table"_a.none() = nb::none(),
+           "Sets each occupied slot's score to -||k|| of its cached key (k_cache in `layout`, 0 bhsd .. 3 paged hnd).")
       .def("skip_observe", &S::skip_observe, "b"_a)
       .def("evict", &S::evict, "b"_a, "Frees one victim slot per KV head above the budget; returns the freed slots (-1: none).")
       .def("prefill_column_sums", &S::prefill_column_sums, "b"_a, "length"_a, "column_sums"_a,
@@ -1079,6 +1154,8 @@ NB_MODULE(_ext, m) {
   m.def("observe_evict_queries", &observe_evict_queries, "desc"_a, "state"_a, "queries"_a, "lse"_a, "scale"_a,
         "base"_a, "layout"_a, "k_cache"_a, "v_cache"_a, "page_table"_a.none(), "victims"_a.none(), "active"_a = none,
         "stream"_a = 0);
+  m.def("observe_evict_key_norms", &observe_evict_key_norms, "desc"_a, "state"_a, "layout"_a, "k_cache"_a,
+        "page_table"_a.none(), "victims"_a.none(), "active"_a = none, "stream"_a = 0);
   m.def("append_tokens", &append_tokens, "desc"_a, "state"_a, "tokens"_a, "active"_a = none, "stream"_a = 0);
   m.def("evict_to", &evict_to, "desc"_a, "state"_a, "target"_a, "layout"_a, "k_cache"_a, "v_cache"_a,
         "page_table"_a.none(), "queries"_a.none(), "lse"_a.none(), "scale"_a, "base"_a, "freed"_a.none(),

@@ -1,6 +1,6 @@
 // The decode cycle on CUDA: init, reset, append (with or without the K/V
 // scatter) and observe + evict from every input kind, over kvevict's gpu::
-// launchers (cuda_backend.hpp).
+// launchers (cuda_backend.hpp), the key-norm input included.
 #include "cuda_backend.hpp"
 #include "cuda_common.cuh"
 
@@ -55,6 +55,16 @@ void observe_evict_queries(const batch_state_view& st, const kvevict::active_set
     using Q = decltype(qt);
     const kvevict::batch_queries<Q> in{q.view<Q, 3>(), lse, scale, base};
     throw_on_error(kvevict::gpu::batched_observe_evict(st, active, in, view, victims, status, as_stream(stream)),
+                   "observe_evict");
+  });
+}
+
+void observe_evict_key_norms(const batch_state_view& st, const kvevict::active_set& active, const any_cache& cache,
+                             std::int32_t* victims, std::uint64_t* status, void* stream) {
+  visit_cache(cache, [&](auto view) {
+    using V = decltype(view);
+    const kvevict::key_norms<typename V::element_type, typename V::layout_type> in{view};
+    throw_on_error(kvevict::gpu::batched_observe_evict(st, active, in, victims, status, as_stream(stream)),
                    "observe_evict");
   });
 }
