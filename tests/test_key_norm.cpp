@@ -226,4 +226,13 @@ TEST_CASE("key_norms: a rule that accumulates is refused, a bad key is named, an
   CHECK(st2.scores_of(0, 1)[0] == 0.0f);
   CHECK(st2.appended[st2.head_index(0, 0)] == 0);  // the other heads stepped
   CHECK(st2.scores_of(1, 1)[0] < 0.0f);
+
+  // exact_greedy takes queries + LSE only: that is what its refusal says.
+  const kv::exact_greedy_config eg{3, 1, 0};
+  const kv::history_extent hist{16, kDim};
+  std::vector<unsigned char> m3(kv::batch_state_bytes<kv::exact_greedy_policy>(shape, eg, hist));
+  const auto st3 = kv::make_batch_state<kv::exact_greedy_policy>(m3.data(), m3.size(), shape, eg, hist);
+  kv::init_batch_state(st3);
+  CHECK_THROWS_WITH_AS(kv::batched_observe_evict(st3, kv::active_set::all(), keys, nullptr, &status),
+                       doctest::Contains("queries + LSE"), kv::invalid_argument);
 }
