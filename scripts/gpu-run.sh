@@ -65,8 +65,8 @@ declare -A CHOSEN=(
   # h2o: prepare, probs / sums / queries partials, combine, plan, compact and
   # the selection; large head dims: the dynamic shared-memory tile above
   # 48 KiB, rows longer than the stage, the multi-block selection, random
-  # and the input-less path.
-  [test_cuda_prefill]='cuda prefill h2o*,cuda prefill: large head dims*'
+  # and the input-less path; key norms: their scoring kernel.
+  [test_cuda_prefill]='cuda prefill h2o*,cuda prefill: large head dims*,cuda prefill by key norms*'
   # Its one test case: exact_greedy_kernel on every layout.
   [test_cuda_exact_greedy]='cuda exact_greedy*'
   # append_tokens and evict_to of every policy (the greedy one included):

@@ -1,8 +1,9 @@
 // Key-norm scoring (key_norms, key_norm_config): the policy keeps the keys of
 // the smallest L2 norm beside the sinks and the recent window. Checked
-// against a real-drop reference written here from the definition (evict the
-// unprotected key of the largest norm, the older on a tie), per sequence and
-// batched, over every dtype and layout; then the refusals.
+// against references written here from the definition (decode: evict the
+// unprotected key of the largest norm, the older on a tie; prefill: keep
+// the smallest norms, the newer on a tie), per sequence and batched, over
+// every dtype and layout; then the refusals.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -45,6 +46,11 @@ void reference_evict(std::vector<ref_token>& tokens, std::int32_t budget, std::i
   }
   REQUIRE(victim != tokens.end());
   tokens.erase(victim);
+}
+
+template <class T, class Layout>
+kv::key_norms<T, Layout> norms_of(const kv::kv_view<T, Layout>& view) {
+  return kv::key_norms<T, Layout>{view};
 }
 
 template <class T>
@@ -149,6 +155,108 @@ TEST_CASE("key-norm keeps the keys of the smallest norm: per sequence and batche
   all_layouts<float>();
   all_layouts<kv::half>();
   all_layouts<kv::bfloat16>();
+}
+
+namespace {
+
+/// Prefill by key norms: per sequence and batched from the same prompt keys,
+/// against the reference keep set (the first sinks, the last recent, and
+/// the `kept` of the smallest norm between, the newer on a tie: the
+/// prefill's (score, position) order keeps the higher key).
+template <class T>
+void run_prefill(layout_kind layout, std::int32_t group, std::uint32_t seed, std::int64_t& cut_ties) {
+  std::mt19937 rng(seed);
+  const std::int32_t kept = 1 + std::int32_t(rng() % 5), recent = std::int32_t(rng() % 3),
+                     sinks = std::int32_t(rng() % 3);
+  const kv::h2o_config config = kv::key_norm_config(kept, recent, sinks);
+  const std::int32_t budget = kept + recent + sinks, cap = budget + 1 + std::int32_t(rng() % 12);
+  const kv::policy_shape shape{kSeqs, kHeads, kHeads * group, cap};
+  CAPTURE(kept);
+  CAPTURE(recent);
+  CAPTURE(sinks);
+  kv::h2o_policy single(shape, config);
+  std::vector<unsigned char> memory(kv::batch_state_bytes<kv::h2o_policy>(shape, config));
+  const kv::batch_state_view st = kv::make_batch_state<kv::h2o_policy>(memory.data(), memory.size(), shape, config);
+  kv::init_batch_state(st);
+  std::vector<std::int32_t> lengths(kSeqs);
+  for (auto& l : lengths)  // mostly above the budget, where the norms decide
+    l = rng() % 4 ? budget + 1 + std::int32_t(rng() % std::uint32_t(cap - budget)) : 1 + std::int32_t(rng() % std::uint32_t(cap));
+  kvtest::with_cache<T>(layout, kSeqs, kHeads, cap, kDim, 2, [&](auto view_a) {
+    kvtest::with_cache<T>(layout, kSeqs, kHeads, cap, kDim, 2, [&](auto view_b) {
+      std::vector<std::vector<double>> squares(std::size_t(kSeqs) * kHeads);
+      for (std::int32_t b = 0; b < kSeqs; ++b)
+        for (std::int32_t h = 0; h < kHeads; ++h)
+          for (std::int32_t p = 0; p < lengths[std::size_t(b)]; ++p) {
+            for (std::int32_t d = 0; d < kDim; ++d) {
+              const T k = seed % 2 ? kvtest::random_value<T>(rng) : kv::from_float<T>(float(std::int32_t(rng() % 3) - 1));
+              const T v = kvtest::random_value<T>(rng);
+              view_a.k_row(b, h, p)[d] = view_b.k_row(b, h, p)[d] = k;
+              view_a.v_row(b, h, p)[d] = view_b.v_row(b, h, p)[d] = v;
+            }
+            squares[std::size_t(b) * kHeads + h].push_back(squares_of(view_a.k_row(b, h, p)));
+          }
+      std::vector<std::int32_t> reclaim(kSeqs, -1);
+      std::uint64_t status = kv::batch_status_clear;
+      kv::batched_prefill(st, kv::active_set::all(), kv::prompt_lengths{lengths.data(), cap},
+                          norms_of(view_b), reclaim.data(), &status);
+      REQUIRE(status == kv::batch_status_clear);
+      for (std::int32_t b = 0; b < kSeqs; ++b) {
+        const std::int32_t length = lengths[std::size_t(b)];
+        CAPTURE(length);
+        const kv::prefill_result r = single.prefill(b, length, norms_of(view_a));
+        CHECK(reclaim[std::size_t(b)] == r.reclaimable_pages);
+        for (std::int32_t h = 0; h < kHeads; ++h) {
+          const auto& sq = squares[std::size_t(b) * kHeads + h];
+          std::vector<std::int32_t> want;
+          if (length <= budget) {
+            for (std::int32_t p = 0; p < length; ++p) want.push_back(p);
+          } else {
+            std::vector<std::int32_t> between;
+            for (std::int32_t p = 0; p < length; ++p)
+              (p < sinks || p >= length - recent ? want : between).push_back(p);
+            std::sort(between.begin(), between.end(), [&](std::int32_t x, std::int32_t y) {
+              return sq[std::size_t(x)] != sq[std::size_t(y)] ? sq[std::size_t(x)] < sq[std::size_t(y)] : x > y;
+            });
+            if (std::int32_t(between.size()) > kept &&
+                sq[std::size_t(between[std::size_t(kept) - 1])] == sq[std::size_t(between[std::size_t(kept)])])
+              ++cut_ties;  // the tie rule decides who stays
+            want.insert(want.end(), between.begin(), between.begin() + kept);
+            std::sort(want.begin(), want.end());
+          }
+          CAPTURE(h);
+          REQUIRE(r.kept == std::int32_t(want.size()));
+          for (std::int32_t s = 0; s < cap; ++s) {
+            const std::int32_t p = s < r.kept ? want[std::size_t(s)] : -1;
+            CHECK(single.slots().position(b, h, s) == p);  // compacted, ascending
+            CHECK(st.slots.positions_of(b, h)[s] == p);
+            CHECK(st.scores_of(b, h)[s] == single.score(b, h, s));
+            if (p >= 0) CHECK(single.score(b, h, s) == -static_cast<float>(std::sqrt(sq[std::size_t(p)])));
+          }
+          for (std::int32_t s = 0; s < r.kept; ++s) {
+            CHECK(kvtest::same_bits(view_a.k_row(b, h, s), view_b.k_row(b, h, s), kDim));
+            CHECK(kvtest::same_bits(view_a.v_row(b, h, s), view_b.v_row(b, h, s), kDim));
+          }
+        }
+      }
+    });
+  });
+}
+
+}  // namespace
+
+TEST_CASE("key-norm prefill keeps the sinks, the recent window and the smallest norms: per sequence and batched") {
+  std::int64_t cut_ties = 0;
+  for (const layout_kind layout : kvtest::all_layouts)
+    for (const std::int32_t group : {1, 4})
+      for (std::uint32_t seed = 1; seed <= 6; ++seed) {
+        CAPTURE(kvtest::name(layout));
+        CAPTURE(group);
+        CAPTURE(seed);
+        run_prefill<float>(layout, group, seed, cut_ties);
+        run_prefill<kv::half>(layout, group, seed + 10, cut_ties);
+        run_prefill<kv::bfloat16>(layout, group, seed + 20, cut_ties);
+      }
+  CHECK(cut_ties > 10);
 }
 
 TEST_CASE("key_norm_score is -||k|| in float, the same bits for every dtype of the same values") {

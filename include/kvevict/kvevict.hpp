@@ -6,6 +6,7 @@
 #include "kvevict/batch/inputs.hpp"
 #include "kvevict/batch/multi_token.hpp"
 #include "kvevict/batch/prefill.hpp"
+#include "kvevict/batch/prefill_key_norms.hpp"
 #include "kvevict/batch/score_sources.hpp"
 #include "kvevict/batch/state.hpp"
 #include "kvevict/batch/status.hpp"

@@ -206,6 +206,21 @@ cudaError_t batched_prefill(void* workspace, std::size_t& workspace_bytes, const
                                    cache, reclaimable_pages, status, stream);
 }
 
+/// The same scored by the norms of the prompt's keys in slots [0, L) of
+/// in.cache (no attention input; a rule that keeps by score needs decay 0).
+template <class T, class Layout>
+cudaError_t batched_prefill(void* workspace, std::size_t& workspace_bytes, const batch_state_view& st,
+                            const active_set& active, const prompt_lengths& prompts, const key_norms<T, Layout>& in,
+                            std::int32_t* reclaimable_pages, std::uint64_t* status, cudaStream_t stream) {
+  const kvevict::detail::site w{"cuda", "prefill"};
+  kvevict::detail::require_prefill_call(w, st, active, prompts, status);
+  kvevict::detail::require_input(w, st, in);
+  return detail::run_prefill<true>(w, workspace, workspace_bytes, st, active, prompts,
+                                   detail::scoring_key_norms<T, Layout>{in},
+                                   kvevict::detail::prefill_cache_checks<T, Layout>{in.cache}, in.cache,
+                                   reclaimable_pages, status, stream);
+}
+
 /// Prefill without scores, for recent_window and random (h2o throws).
 template <class T, class Layout>
 cudaError_t batched_prefill(void* workspace, std::size_t& workspace_bytes, const batch_state_view& st,

@@ -9,6 +9,7 @@
 
 #include "kvevict/batch/inputs.hpp"
 #include "kvevict/batch/prefill.hpp"
+#include "kvevict/batch/score_sources.hpp"
 #include "kvevict/batch/state.hpp"
 #include "kvevict/batch/status.hpp"
 #include "kvevict/cuda/device_helpers.cuh"
@@ -235,6 +236,27 @@ __global__ void __launch_bounds__(Threads)
   }
 }
 
+/// Key norms: a thread per (entry, head, position), the decode source's
+/// rule (score_source<key_norms>) on the key in slot p.
+template <int Threads, class T, class Layout>
+__global__ void __launch_bounds__(Threads)
+    prefill_key_norms_kernel(batch_state_view st, active_set active, prompt_lengths prompts, key_norms<T, Layout> in,
+                             prefill_workspace ws, std::int32_t tiles, std::uint64_t* status) {
+  const std::int32_t segment = static_cast<std::int32_t>(blockIdx.x) / tiles;
+  const std::int32_t tile = static_cast<std::int32_t>(blockIdx.x) % tiles;
+  const std::int32_t entry = segment / st.num_heads(), h = segment % st.num_heads();
+  const std::int32_t b = kvevict::detail::check_entry(active, entry, st.num_seqs()).sequence;  // repeats step nothing
+  if (b < 0 || ws.head_refused[segment]) return;
+  const std::int32_t p = tile * Threads + static_cast<std::int32_t>(threadIdx.x);
+  if (p >= prompts.lengths[b]) return;
+  const slot_increment inc = score_source<key_norms<T, Layout>>{in, st.group_size(), st.rule.reduce}.increment(b, h, p);
+  ws.scores[std::int64_t{segment} * ws.max_length + p] = inc.value;
+  if (inc.code != batch_code::ok) {
+    report(status, pack_status(b, h, p, inc.code));
+    mark_bad(ws, entry);
+  }
+}
+
 // ---- the scoring step per input ----
 
 struct scoring_none {
@@ -327,6 +349,25 @@ struct scoring_sums {
     const std::int64_t blocks = std::int64_t{l.entries} * l.st.num_heads() * tiles;
     prefill_sums_kernel<kPrefillColumns><<<static_cast<unsigned>(blocks), kPrefillColumns, 0, l.stream>>>(
         l.st, l.active, l.prompts, in, l.ws, tiles, l.status);
+    return cudaGetLastError();
+  }
+};
+
+template <class T, class Layout>
+struct scoring_key_norms {
+  static constexpr bool has_scores = true, has_partials = false;
+  key_norms<T, Layout> in;
+
+  void require_grid(const kvevict::detail::site& w, std::int64_t entries, const batch_state_view& st,
+                    std::int32_t max_length) const {
+    require_blocks(w, entries * st.num_heads() * tiles_of(max_length, kPrefillColumns));
+  }
+  cudaError_t launch(const prefill_launch& l) const {
+    const std::int32_t tiles = tiles_of(l.prompts.max_length, kPrefillColumns);
+    const std::int64_t blocks = std::int64_t{l.entries} * l.st.num_heads() * tiles;
+    prefill_key_norms_kernel<kPrefillColumns, T, Layout>
+        <<<static_cast<unsigned>(blocks), kPrefillColumns, 0, l.stream>>>(l.st, l.active, l.prompts, in, l.ws, tiles,
+                                                                           l.status);
     return cudaGetLastError();
   }
 };

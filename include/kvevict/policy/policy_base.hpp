@@ -399,19 +399,7 @@ class policy_base {
     const detail::site w = where("prefill");
     require_prefill(w, b, length);
     detail::require_policy_view(w, shape_, view);
-    const std::int32_t eq[3] = {shape_.num_q_heads, length, view.head_dim};
-    const bool at_least[3] = {false, true, false};
-    detail::require_extents(w, "q", in.q, eq, at_least);
-    const std::int32_t el[2] = {shape_.num_q_heads, length};
-    detail::require_extents(w, "lse", in.lse, el, at_least);
-    detail::require_scale(w, in.scale);
-    detail::require_lse_base(w, "base", in.base);
-    for (std::int32_t q = 0; q < shape_.num_q_heads; ++q)
-      for (std::int32_t i = 0; i < length; ++i) {
-        detail::require_finite(w, "lse", in.lse(q, i), q, i);
-        for (std::int32_t d = 0; d < view.head_dim; ++d)
-          detail::require_finite(w, "q", to_float(in.q(q, i, d)), q, i, d);
-      }
+    detail::require_prefill_queries(w, shape_, in, length, view.head_dim);
     require_rows(w, view, b, length, all_columns());
     const std::int32_t g = shape_.group_size();
     detail::reduce_groups(
@@ -425,6 +413,18 @@ class policy_base {
         },
         scratch_.data(), shape_.capacity);
     return commit_prefill(w, b, length, &view);
+  }
+
+  /// Key-norm prefill (key_norms): position p scores -||k|| of its key in slot p.
+  template <class T, class Layout>
+  prefill_result prefill(std::int32_t b, std::int32_t length, const key_norms<T, Layout>& in) {
+    const detail::site w = where("prefill");
+    require_prefill(w, b, length);
+    detail::require_policy_view(w, shape_, in.cache);
+    detail::require_key_norm_decay(w, rule_.victim == victim_rule::lowest_score, rule_.decay);
+    require_rows(w, in.cache, b, length, all_columns());
+    detail::key_norm_increments(w, in.cache, b, length, all_columns(), scratch_.data(), shape_.capacity);
+    return commit_prefill(w, b, length, &in.cache);
   }
 
  protected:

@@ -1,7 +1,7 @@
 #pragma once
 // The argument checks of the per-sequence policies (policy_base) that need
-// only the policy's shape: the cache view, a step's queries and LSE, a
-// (sequence, head) index. Each throws a kvevict::error naming the argument
+// only the policy's shape: the cache view, a step's or a prompt's queries
+// and LSE, a (sequence, head) index. Each throws a kvevict::error naming the argument
 // before anything changes.
 #include <cstdint>
 
@@ -47,6 +47,25 @@ inline void require_decode_lse(const site& w, const policy_shape& shape, const t
   const bool exact[1] = {false};
   require_extents(w, "lse", lse, el, exact);
   for (std::int32_t q = 0; q < shape.num_q_heads; ++q) require_finite(w, "lse", lse(q), q);
+}
+
+/// A prompt's queries [num_q_heads][length][head_dim] and LSE
+/// [num_q_heads][length], every element finite, its scale and LSE base.
+template <class Q>
+void require_prefill_queries(const site& w, const policy_shape& shape, const prefill_queries<Q>& in,
+                             std::int32_t length, std::int32_t head_dim) {
+  const std::int32_t eq[3] = {shape.num_q_heads, length, head_dim};
+  const bool at_least[3] = {false, true, false};
+  require_extents(w, "q", in.q, eq, at_least);
+  const std::int32_t el[2] = {shape.num_q_heads, length};
+  require_extents(w, "lse", in.lse, el, at_least);
+  require_scale(w, in.scale);
+  require_lse_base(w, "base", in.base);
+  for (std::int32_t q = 0; q < shape.num_q_heads; ++q)
+    for (std::int32_t i = 0; i < length; ++i) {
+      require_finite(w, "lse", in.lse(q, i), q, i);
+      for (std::int32_t d = 0; d < head_dim; ++d) require_finite(w, "q", to_float(in.q(q, i, d)), q, i, d);
+    }
 }
 
 /// A (sequence, KV head) index pair of the policy.
