@@ -15,7 +15,8 @@ state and raised by :meth:`BatchedPolicy.check`.
 ``layout``: 0 bhsd, 1 bshd, 2 paged nhd, 3 paged hnd (:class:`CacheView`).
 ``input``: observe_evict 0 probs, 1 head scores, 2 logits (queries + LSE and
 key norms have their own ops, which read the cache);
-prefill 0 probs, 1 column sums, 2 queries, 3 none. ``base``: 0 natural, 1 base 2.
+prefill 0 probs, 1 column sums, 2 queries, 3 none, 4 key norms (also its own
+op, prefill_key_norms). ``base``: 0 natural, 1 base 2.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ __all__ = [
     "observe_evict_queries",
     "observe_evict_key_norms",
     "prefill",
+    "prefill_key_norms",
     "append_tokens",
     "evict_to",
     "evict_to_moves",
@@ -215,6 +217,12 @@ def prefill(
     active: Optional[Tensor] = None,
 ) -> Tensor:
     """Batched prefill compression; returns the reclaimable trailing pages per sequence, int32 [B]."""
+    return _prefill(state, desc, lengths, max_length, input, x, lse, scale, base, k_cache, v_cache, page_table,
+                    layout, active)
+
+
+def _prefill(state, desc, lengths, max_length, input, x, lse, scale, base, k_cache, v_cache, page_table, layout,
+             active):
     d = _descriptor(desc)
     reclaimable = torch.zeros(desc[1], dtype=torch.int32, device=state.device)
     def args():  # DLPack capsules are used once: fresh ones per call
@@ -231,6 +239,31 @@ def prefill(
 
 @prefill.register_fake
 def _(state, desc, lengths, max_length, input, x, lse, scale, base, k_cache, v_cache, page_table, layout, active=None):
+    return state.new_empty((desc[1],), dtype=torch.int32)
+
+
+@custom_op("kvevict::prefill_key_norms", mutates_args=("state", "k_cache", "v_cache"), device_types=("cpu", "cuda"))
+def prefill_key_norms(
+    state: Tensor,
+    desc: List[int],
+    lengths: Tensor,
+    max_length: int,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    page_table: Optional[Tensor],
+    layout: int,
+    active: Optional[Tensor] = None,
+) -> Tensor:
+    """Batched prefill compression scored by the norms of the prompt's cached
+    keys (position p scores -||k|| of slot p; h2o: with decay 0,
+    ``H2OConfig.key_norm``); returns the reclaimable trailing pages per
+    sequence, int32 [B]. The same as ``prefill`` with input 4."""
+    return _prefill(state, desc, lengths, max_length, 4, None, None, 1.0, 0, k_cache, v_cache, page_table, layout,
+                    active)
+
+
+@prefill_key_norms.register_fake
+def _(state, desc, lengths, max_length, k_cache, v_cache, page_table, layout, active=None):
     return state.new_empty((desc[1],), dtype=torch.int32)
 
 

@@ -364,7 +364,8 @@ class BatchedPolicy:
         in position order, to slots ``[0, kept)``. ``M = max_length`` (default:
         the largest length; give it for CUDA lengths to avoid a sync).
         Returns int32 [num_seqs]: trailing pages of a paged prompt no longer
-        needed. exact_greedy has no batched prefill.
+        needed. exact_greedy has no batched prefill. Scored by the norms of
+        the prompt's cached keys instead: :meth:`prefill_key_norms`.
         """
         given = [n for n, x in (("probs", probs), ("column_sums", column_sums), ("queries", queries)) if x is not None]
         if len(given) > 1:
@@ -396,6 +397,51 @@ class BatchedPolicy:
             self._desc, for_ext(self.state), for_ext(lengths), int(max_length), kind, for_ext(x), for_ext(lse),
             float(scale), base_code, cache._code, cache._ext_k(), cache._ext_v(), for_ext(cache.page_table),
             for_ext(reclaimable), for_ext(active), None, 0,
+        )  # fmt: skip
+        return reclaimable
+
+    def prefill_key_norms(
+        self,
+        lengths: Any,
+        *,
+        cache: CacheView,
+        max_length: Optional[int] = None,
+        active: Any = None,
+    ) -> Any:
+        """:meth:`prefill` scored by the prompt's own cached keys (key-norm,
+        no attention input): position ``p`` of (sequence, head) scores
+        ``-||k||_2`` of the key in slot ``p`` of ``cache``, so h2o keeps the
+        first ``sinks``, the ``recent`` newest and the ``kept`` keys of the
+        smallest norm between them (the newer on a tie); it takes this only
+        with decay 0 (:meth:`H2OConfig.key_norm`; another decay raises
+        :class:`InvalidArgument` naming it, nothing changed). recent_window
+        and random accept it as they accept no scores; exact_greedy has no
+        batched prefill. The kept K and V rows move, in position order, to
+        slots ``[0, kept)``. A key whose norm is not finite (NaN, infinity,
+        squares that overflow float32) anywhere in a prompt leaves that
+        sequence unchanged and raises :class:`NonFiniteError` at (sequence,
+        head, slot) (on CUDA, at :meth:`check`). ``max_length`` as in
+        :meth:`prefill`. Returns int32 [num_seqs]: trailing pages of a paged
+        prompt no longer needed. On CUDA it runs on torch's current stream.
+        """
+        if not isinstance(cache, CacheView):
+            raise _ext.InvalidArgument(
+                "kvevict.prefill_key_norms: argument 'cache' must be a CacheView (K and V: the kept rows move)"
+            )
+        lengths = self._array(lengths, np.int32)
+        if max_length is None:
+            max_length = int(lengths.max()) if len(lengths) else 0
+        active = self._active(active)
+        if self._compiling() or self._cuda:
+            ops = self._ops()
+            return ops.prefill_key_norms(
+                self.state, self.descriptor, lengths, int(max_length), cache.k, cache.v, cache.page_table,
+                cache._code, active,
+            )  # fmt: skip
+        reclaimable = self._new_int32((self.num_seqs,), 0)
+        _ext.prefill(
+            self._desc, for_ext(self.state), for_ext(lengths), int(max_length), 4, None, None, 1.0, 0, cache._code,
+            cache._ext_k(), cache._ext_v(), for_ext(cache.page_table), for_ext(reclaimable), for_ext(active), None, 0,
         )  # fmt: skip
         return reclaimable
 

@@ -1,20 +1,21 @@
 """SequencePolicy: the per-sequence host API (``h2o_policy`` and friends).
 
 One call per sequence, each checked before it changes anything, over the
-slot table only (the caller moves K/V rows). Engines that step sequences one
+slot table only (the caller moves K/V rows), but for ``prefill_key_norms``,
+which compacts the kept K/V rows itself. Engines that step sequences one
 at a time on the CPU use it; the tests use it as the reference the batched
 paths and the transformers cache are checked against.
 """
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Union
+from typing import Any, List, Optional, Tuple, Union
 
 import numpy as np
 
 from . import _ext
 from ._arrays import for_ext
-from .cache import LAYOUT_CODES
+from .cache import LAYOUT_CODES, CacheView
 from .config import ExactGreedyConfig, H2OConfig, RandomConfig, RecentWindowConfig
 
 _REDUCE = {"sum": 0, "mean": 1, "max": 2}
@@ -23,7 +24,9 @@ _REDUCE = {"sum": 0, "mean": 1, "max": 2}
 class SequencePolicy:
     """A per-sequence policy (host): ``append(b)``, ``observe_*(b, ...)``
     (``observe_key_norms`` reads the caller's K buffer),
-    ``evict(b)``, ``prefill_column_sums(b, L, sums)``, ``reset(b)``, and copies
+    ``evict(b)``, ``prefill_column_sums(b, L, sums)``,
+    ``prefill_key_norms(b, L, k_cache, v_cache)`` (compacts the K/V rows),
+    ``reset(b)``, and copies
     of the slot table (``positions()``, ``counts()``, ``scores()``).
 
     exact_greedy is not offered here: its per-sequence API needs the cache
@@ -96,6 +99,36 @@ class SequencePolicy:
         slot table, from column sums float32 [num_q_heads, length]; returns the
         tokens kept per head. Slot ``s`` then holds position ``positions()[b, h, s]``."""
         return self._p.prefill_column_sums(b, length, column_sums)
+
+    def prefill_key_norms(
+        self, b: int, length: int, k_cache: Any, v_cache: Any = None, layout: Optional[str] = None,
+        page_table: Any = None,
+    ) -> Tuple[int, int]:
+        """Key-norm prompt compression of sequence b: its prompt of ``length``
+        tokens sits in slots [0, length) of the cache (the whole batch's K and
+        V buffers in ``layout``, default ``"bhsd"``, or a :class:`CacheView`
+        in place of ``k_cache``); position ``p`` scores ``-||k||_2`` of its key,
+        the first ``sinks``, the ``recent`` newest and the ``kept`` smallest
+        norms between stay (the newer on a tie), and their K and V rows move
+        in position order to slots [0, kept). h2o takes it only with decay 0
+        (:meth:`H2OConfig.key_norm`). Returns ``(kept, reclaimable_pages)``."""
+        if isinstance(k_cache, CacheView):
+            if v_cache is not None or layout is not None or page_table is not None:
+                raise _ext.InvalidArgument(
+                    "kvevict.SequencePolicy: argument 'v_cache'/'layout'/'page_table' come from the CacheView"
+                )
+            view = k_cache
+            return tuple(self._p.prefill_key_norms(b, length, view._code, view._ext_k(), view._ext_v(),
+                                                   for_ext(view.page_table)))  # fmt: skip
+        if v_cache is None:
+            raise _ext.InvalidArgument("kvevict.SequencePolicy: argument 'v_cache' is required (the kept rows move)")
+        layout = "bhsd" if layout is None else layout
+        if layout not in LAYOUT_CODES:
+            raise _ext.InvalidArgument(
+                f"kvevict.SequencePolicy: argument 'layout' = {layout!r} is not one of {', '.join(LAYOUT_CODES)}"
+            )
+        return tuple(self._p.prefill_key_norms(b, length, LAYOUT_CODES[layout], for_ext(k_cache), for_ext(v_cache),
+                                               for_ext(page_table)))  # fmt: skip
 
     def reset(self, b: int) -> None:
         self._p.reset(b)

@@ -457,15 +457,16 @@ any_cache describe_cache(cache_layout kind, const A& k, elem type, nb::handle ta
   return c;
 }
 
-/// The cache view of (layout, k, v, page_table).
-any_cache parse_cache(std::int32_t layout, nb::handle k_obj, nb::handle v_obj, nb::handle table_obj,
-                      const state_ref& st, const char* call) {
+/// The cache view of (layout, k, v, page_table) on `dev`, for a policy of
+/// `state_capacity` slots per head.
+any_cache parse_cache(std::int32_t layout, nb::handle k_obj, nb::handle v_obj, nb::handle table_obj, const device& dev,
+                      std::int32_t state_capacity, const char* call) {
   const cache_layout kind = parse_layout(layout, call);
   const char* dims = layout_dims(kind);
   out_array k = as_array<out_array>(k_obj, call, "k_cache");
   out_array v = as_array<out_array>(v_obj, call, "v_cache");
-  require_device(k, st.dev, call, "k_cache");
-  require_device(v, st.dev, call, "v_cache");
+  require_device(k, dev, call, "k_cache");
+  require_device(v, dev, call, "v_cache");
   require_rank(k, 4, call, "k_cache", dims);
   require_rank(v, 4, call, "v_cache", dims);
   const elem type = elem_of(k, call, "k_cache");
@@ -478,9 +479,15 @@ any_cache parse_cache(std::int32_t layout, nb::handle k_obj, nb::handle v_obj, n
       fail_arg(call, "v_cache", concat("has stride ", v.stride(d), " in dimension ", d, ", k_cache has ", k.stride(d),
                                        " (one layout serves both)"));
   }
-  any_cache c = describe_cache(kind, k, type, table_obj, st.dev, st.view.capacity(), call);
+  any_cache c = describe_cache(kind, k, type, table_obj, dev, state_capacity, call);
   c.v = v.data();
   return c;
+}
+
+/// The cache view of (layout, k, v, page_table) for a batched state.
+any_cache parse_cache(std::int32_t layout, nb::handle k_obj, nb::handle v_obj, nb::handle table_obj,
+                      const state_ref& st, const char* call) {
+  return parse_cache(layout, k_obj, v_obj, table_obj, st.dev, st.view.capacity(), call);
 }
 
 /// The cache view of (layout, k, page_table) for a call that reads the keys
@@ -769,7 +776,8 @@ void evict_to_moves(const Descriptor& desc, nb::handle memory, std::int32_t targ
 }
 
 /// Batched prefill. input: 0 probs [B][Hq][M][M], 1 column sums [B][Hq][M],
-/// 2 queries [B][Hq][M][D] with lse [B][Hq][M], 3 none. On CUDA with
+/// 2 queries [B][Hq][M][D] with lse [B][Hq][M], 3 none, 4 the norms of the
+/// cached keys (x None; kvevict::key_norms over the cache). On CUDA with
 /// workspace None it only returns the workspace bytes; otherwise 0.
 std::size_t prefill(const Descriptor& desc, nb::handle memory, nb::handle lengths_obj, std::int32_t max_length,
                     std::int32_t input, nb::handle x_obj, nb::handle lse_obj, float scale, std::int32_t base_code,
@@ -778,8 +786,9 @@ std::size_t prefill(const Descriptor& desc, nb::handle memory, nb::handle length
                     std::uintptr_t stream) {
   const char* call = "prefill";
   const state_ref st = resolve_state(desc, memory, call);
-  if (input < 0 || input > 3)
-    fail_arg(call, "input", concat("= ", input, " is not 0 (probs), 1 (column_sums), 2 (queries) or 3 (none)"));
+  if (input < 0 || input > 4)
+    fail_arg(call, "input",
+             concat("= ", input, " is not 0 (probs), 1 (column_sums), 2 (queries), 3 (none) or 4 (key norms)"));
   const auto kind = static_cast<prefill_input>(input);
   const any_cache cache = parse_cache(layout, k, v, page_table, st, call);
   const kvevict::active_set active = parse_active(active_obj, st, call);
@@ -806,7 +815,8 @@ std::size_t prefill(const Descriptor& desc, nb::handle memory, nb::handle length
       x = parse_queries<4>(x_obj, cache, st, call, "[num_seqs][num_q_heads][max_length][head_dim]");
       lse = float_input<3>(lse_obj, st.dev, call, "lse", "[num_seqs][num_q_heads][max_length]");
       break;
-    case prefill_input::none: break;
+    case prefill_input::none:
+    case prefill_input::key_norms: break;
   }
   const kvevict::lse_base base = parse_base(base_code, call);
 #ifdef KVEVICT_PY_CUDA
@@ -833,6 +843,11 @@ std::size_t prefill(const Descriptor& desc, nb::handle memory, nb::handle length
                                           view, reclaimable, st.status);
         case prefill_input::none:
           return kvevict::batched_prefill(st.view, active, prompts, view, reclaimable, st.status);
+        case prefill_input::key_norms: {
+          using V = decltype(view);
+          const kvevict::key_norms<typename V::element_type, typename V::layout_type> in{view};
+          return kvevict::batched_prefill(st.view, active, prompts, in, reclaimable, st.status);
+        }
         case prefill_input::queries: {
           using T = typename decltype(view)::element_type;
           if (x.type == elem::f32)
@@ -998,6 +1013,19 @@ class SequencePolicy {
                                                                        "[num_q_heads][length]")})
         .kept;
   }
+  /// Key-norm prefill of sequence b's prompt in slots [0, length) of the
+  /// cache (k, v in `layout`, as the batched calls take them): the kept
+  /// rows move to slots [0, kept). Returns (kept, reclaimable_pages).
+  std::pair<std::int32_t, std::int32_t> prefill_key_norms(std::int32_t b, std::int32_t length, std::int32_t layout,
+                                                          nb::handle k, nb::handle v, nb::handle page_table) {
+    const any_cache cache = parse_cache(layout, k, v, page_table, device{}, p_.shape().capacity, "prefill");
+    return visit_cache(cache, [&](auto view) {
+      using V = decltype(view);
+      const kvevict::prefill_result r =
+          p_.prefill(b, length, kvevict::key_norms<typename V::element_type, typename V::layout_type>{view});
+      return std::pair<std::int32_t, std::int32_t>{r.kept, r.reclaimable_pages};
+    });
+  }
   void reset(std::int32_t b) { p_.reset(b); }
   std::int32_t length(std::int32_t b) const { return p_.length(b); }
   std::int32_t budget() const { return p_.budget(); }
@@ -1069,6 +1097,10 @@ void bind_sequence_policy(nb::module_& m, const char* name, const char* doc, Mak
            "Sets each occupied slot's score to -||k|| of its cached key (k_cache in `layout`, 0 bhsd .. 3 paged hnd).")
       .def("skip_observe", &S::skip_observe, "b"_a)
       .def("evict", &S::evict, "b"_a, "Frees one victim slot per KV head above the budget; returns the freed slots (-1: none).")
+      .def("prefill_key_norms", &S::prefill_key_norms, "b"_a, "length"_a, "layout"_a, "k_cache"_a, "v_cache"_a,
+           "page_table"_a.none() = nb::none(),
+           "Compresses the prompt in slots [0, length) by its key norms, moving the kept K/V rows to slots [0, kept); "
+           "returns (kept, reclaimable_pages).")
       .def("prefill_column_sums", &S::prefill_column_sums, "b"_a, "length"_a, "column_sums"_a,
            "Prefill compression of the slot table only (no K/V moved); returns the tokens kept per head.")
       .def("reset", &S::reset, "b"_a)

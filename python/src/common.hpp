@@ -142,8 +142,8 @@ decltype(auto) visit_queries(const any_array& q, const any_cache& c, F&& f) {
   });
 }
 
-/// The inputs of a batched prefill.
-enum class prefill_input : std::int32_t { probs = 0, sums = 1, queries = 2, none = 3 };
+/// The inputs of a batched prefill (key_norms: the cached keys themselves).
+enum class prefill_input : std::int32_t { probs = 0, sums = 1, queries = 2, none = 3, key_norms = 4 };
 
 /// Raised by the CUDA translation units for a failed CUDA runtime call
 /// (kvevict::gpu::cuda_error needs the CUDA headers to name).

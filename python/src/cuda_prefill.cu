@@ -1,5 +1,6 @@
 // Batched prefill compression on CUDA, from the causal probabilities, column
-// sums, queries + LSE, or no scores (recent_window, random).
+// sums, queries + LSE, the norms of the cached keys, or no scores
+// (recent_window, random).
 #include "cuda_backend.hpp"
 #include "cuda_common.cuh"
 
@@ -25,6 +26,11 @@ std::size_t prefill(void* workspace, std::size_t workspace_bytes, const batch_st
                                              status, s);
       case prefill_input::none:
         return kvevict::gpu::batched_prefill(workspace, bytes, st, active, prompts, view, reclaimable, status, s);
+      case prefill_input::key_norms: {
+        using V = decltype(view);
+        const kvevict::key_norms<typename V::element_type, typename V::layout_type> in{view};
+        return kvevict::gpu::batched_prefill(workspace, bytes, st, active, prompts, in, reclaimable, status, s);
+      }
       case prefill_input::queries: break;
     }
     return cudaErrorInvalidValue;  // queries go through visit_queries below
