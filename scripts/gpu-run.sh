@@ -2,7 +2,7 @@
 # The GPU check of kvevict's CUDA backend, run from the folder that
 # scripts/gpu-pack.sh builds (this script is that folder's run.sh; it needs
 # nothing of the repository): every gpu test in full, compute-sanitizer's four
-# tools, the CUDA demo, the DESIGN section 11 target rows of kvevict_bench_cuda
+# tools, the CUDA demo, the GPU target rows of kvevict_bench_cuda (docs/benchmarks.md)
 # and their PyTorch baselines, then one summary table. Bounded to 7 minutes
 # on an H100 by its time limits (docs/gpu.md).
 #
@@ -77,7 +77,7 @@ declare -A CHOSEN=(
 )
 
 # kvevict_bench_cuda rows (Google Benchmark --benchmark_filter, POSIX
-# extended regular expressions): the DESIGN section 11 targets only, cold.
+# extended regular expressions): the GPU targets of docs/benchmarks.md only, cold.
 # Decode: h2o over S0-S5 and L8 (64 x 8 x 16K) beside the minimal fused kernel and the copy
 # bandwidth on the same bytes.
 BENCH_DECODE='^gpu_decode/(h2o|fused_kernel|d2d_copy)/probs/(S[0-5]|L8)/evict1/powerlaw/f32(/|$)'
