@@ -60,21 +60,44 @@ double squares_of(const T* k) {
   return s;
 }
 
+/// A per-sequence key-norm policy and a batched state of one drawn
+/// configuration: kept in [min_kept, min_kept + 4], recent below `recents`,
+/// sinks below 3, capacity budget + 1 plus fewer than `spares`.
+struct key_norm_pair {
+  std::int32_t kept, recent, sinks;
+  kv::h2o_config config;
+  std::int32_t budget, cap;
+  kv::policy_shape shape;
+  kv::h2o_policy single;
+  std::vector<unsigned char> memory;
+  kv::batch_state_view st;
+
+  key_norm_pair(std::mt19937& rng, std::int32_t group, std::int32_t min_kept, std::uint32_t recents,
+                std::uint32_t spares)
+      : kept(min_kept + std::int32_t(rng() % 5)),
+        recent(std::int32_t(rng() % recents)),
+        sinks(std::int32_t(rng() % 3)),
+        config(kv::key_norm_config(kept, recent, sinks)),
+        budget(kept + recent + sinks),
+        cap(budget + 1 + std::int32_t(rng() % spares)),
+        shape{kSeqs, kHeads, kHeads * group, cap},
+        single(shape, config),
+        memory(kv::batch_state_bytes<kv::h2o_policy>(shape, config)),
+        st(kv::make_batch_state<kv::h2o_policy>(memory.data(), memory.size(), shape, config)) {
+    kv::init_batch_state(st);
+  }
+};
+
 template <class T>
 void run_stream(layout_kind layout, std::int32_t group, std::uint32_t seed) {
   std::mt19937 rng(seed);
-  const std::int32_t kept = 2 + std::int32_t(rng() % 5), recent = std::int32_t(rng() % 4),
-                     sinks = std::int32_t(rng() % 3);
-  const kv::h2o_config config = kv::key_norm_config(kept, recent, sinks);
-  const std::int32_t budget = kept + recent + sinks, cap = budget + 1 + std::int32_t(rng() % 3);
-  const kv::policy_shape shape{kSeqs, kHeads, kHeads * group, cap};
+  key_norm_pair pair(rng, group, 2, 4, 3);
+  const std::int32_t kept = pair.kept, recent = pair.recent, sinks = pair.sinks, budget = pair.budget, cap = pair.cap;
   CAPTURE(kept);
   CAPTURE(recent);
   CAPTURE(sinks);
-  kv::h2o_policy single(shape, config);
-  std::vector<unsigned char> memory(kv::batch_state_bytes<kv::h2o_policy>(shape, config));
-  const kv::batch_state_view st = kv::make_batch_state<kv::h2o_policy>(memory.data(), memory.size(), shape, config);
-  kv::init_batch_state(st);
+  kv::h2o_policy& single = pair.single;
+  const kv::batch_state_view& st = pair.st;
   std::vector<std::vector<ref_token>> ref(std::size_t(kSeqs) * kHeads);
   std::vector<T> k_new(std::size_t(kSeqs) * kHeads * kDim), v_new(k_new.size());
   std::vector<std::uint8_t> flags(kSeqs);
@@ -166,18 +189,13 @@ namespace {
 template <class T>
 void run_prefill(layout_kind layout, std::int32_t group, std::uint32_t seed, std::int64_t& cut_ties) {
   std::mt19937 rng(seed);
-  const std::int32_t kept = 1 + std::int32_t(rng() % 5), recent = std::int32_t(rng() % 3),
-                     sinks = std::int32_t(rng() % 3);
-  const kv::h2o_config config = kv::key_norm_config(kept, recent, sinks);
-  const std::int32_t budget = kept + recent + sinks, cap = budget + 1 + std::int32_t(rng() % 12);
-  const kv::policy_shape shape{kSeqs, kHeads, kHeads * group, cap};
+  key_norm_pair pair(rng, group, 1, 3, 12);
+  const std::int32_t kept = pair.kept, recent = pair.recent, sinks = pair.sinks, budget = pair.budget, cap = pair.cap;
   CAPTURE(kept);
   CAPTURE(recent);
   CAPTURE(sinks);
-  kv::h2o_policy single(shape, config);
-  std::vector<unsigned char> memory(kv::batch_state_bytes<kv::h2o_policy>(shape, config));
-  const kv::batch_state_view st = kv::make_batch_state<kv::h2o_policy>(memory.data(), memory.size(), shape, config);
-  kv::init_batch_state(st);
+  kv::h2o_policy& single = pair.single;
+  const kv::batch_state_view& st = pair.st;
   std::vector<std::int32_t> lengths(kSeqs);
   for (auto& l : lengths)  // mostly above the budget, where the norms decide
     l = rng() % 4 ? budget + 1 + std::int32_t(rng() % std::uint32_t(cap - budget)) : 1 + std::int32_t(rng() % std::uint32_t(cap));
