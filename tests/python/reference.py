@@ -344,3 +344,15 @@ class RefPolicy:
             kept_all.append(keep)
         self.lengths[b] = length
         return kept_all
+
+
+def ragged_schedule(step: int, rng, num_seqs: int):
+    """Which sequences a stream's step runs: every one (None), the list
+    [2, 0], or flags with sequence 1 set; with the sequences that step."""
+    if step % 4 == 3:
+        return np.array([2, 0], np.int32), [2, 0]
+    if step % 5 == 4:
+        flags = (rng.random(num_seqs) < 0.5).astype(np.uint8)
+        flags[1] = 1
+        return flags, [b for b in range(num_seqs) if flags[b]]
+    return None, list(range(num_seqs))

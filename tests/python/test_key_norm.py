@@ -16,6 +16,7 @@ import pytest
 import kvevict as kv
 from kvevict import _ext
 from fake_dlpack import FakeCudaArray
+from reference import ragged_schedule
 
 DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 LAYOUTS = ["bhsd", "bshd", "paged_nhd", "paged_hnd"]
@@ -95,13 +96,7 @@ def squares_of(rows):
 
 def schedule(step, rng):
     """A ragged schedule: every sequence, an index list, or flags."""
-    if step % 4 == 3:
-        return np.array([2, 0], np.int32), [2, 0]
-    if step % 5 == 4:
-        flags = (rng.random(B) < 0.5).astype(np.uint8)
-        flags[1] = 1
-        return flags, [b for b in range(B) if flags[b]]
-    return None, list(range(B))
+    return ragged_schedule(step, rng, B)
 
 
 @pytest.mark.parametrize("seed", [1, 2])
@@ -371,17 +366,10 @@ def test_cuda_checks_before_a_launch():
         _ext.observe_evict_key_norms(desc, state, 0, FakeCudaArray((B, H, 8, D), "float32"), None, None)
 
 
-def _cuda():
-    torch = pytest.importorskip("torch")
-    if not (kv.cuda_available and torch.cuda.is_available()):
-        pytest.skip("needs the CUDA backend and a GPU")
-    return torch
-
-
 @pytest.mark.parametrize("layout", ["bhsd", "paged_nhd"])
 @pytest.mark.parametrize("dtype", list(DTYPES))
-def test_cuda_equals_the_host(dtype, layout):
-    torch = _cuda()
+def test_cuda_equals_the_host(dtype, layout, cuda_torch):
+    torch = cuda_torch
     tdt = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
     rng = np.random.default_rng(11)
     config = kv.H2OConfig.key_norm(3, 1, 1)

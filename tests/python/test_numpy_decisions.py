@@ -23,6 +23,7 @@ from reference import (
     leave_one_out_errors,
     philox4x32_10,
     probability_from_logit,
+    ragged_schedule,
 )
 
 DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
@@ -106,13 +107,7 @@ def check_cache(cache, policy, rows_k, rows_v):
 
 def active_for(step, rng):
     """A ragged schedule: every sequence, an index list, or flags."""
-    if step % 4 == 3:
-        return np.array([2, 0], np.int32), [2, 0]
-    if step % 5 == 4:
-        flags = (rng.random(B) < 0.5).astype(np.uint8)
-        flags[1] = 1
-        return flags, [b for b in range(B) if flags[b]]
-    return None, list(range(B))
+    return ragged_schedule(step, rng, B)
 
 
 def greedy_scores(ref, b, h, q_rows, scale):

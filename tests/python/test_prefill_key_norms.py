@@ -398,17 +398,10 @@ def test_cuda_checks_before_a_launch():
         _ext.prefill(desc, state, lengths, 8, 4, None, None, 1.0, 0, 0, k, v, None, None, None, workspace)
 
 
-def _cuda():
-    torch = pytest.importorskip("torch")
-    if not (kv.cuda_available and torch.cuda.is_available()):
-        pytest.skip("needs the CUDA backend and a GPU")
-    return torch
-
-
 @pytest.mark.parametrize("layout", ["bhsd", "paged_nhd"])
 @pytest.mark.parametrize("dtype", list(DTYPES))
-def test_cuda_equals_the_host(dtype, layout):
-    torch = _cuda()
+def test_cuda_equals_the_host(dtype, layout, cuda_torch):
+    torch = cuda_torch
     tdt = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
     rng = np.random.default_rng(11)
     config = kv.H2OConfig.key_norm(3, 1, 1)
