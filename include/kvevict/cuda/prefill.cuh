@@ -52,7 +52,7 @@
 #include <cstdint>
 
 #include "kvevict/batch/inputs.hpp"
-#include "kvevict/batch/prefill.hpp"
+#include "kvevict/batch/prefill_rules.hpp"
 #include "kvevict/batch/state.hpp"
 #include "kvevict/batch/status.hpp"
 #include "kvevict/batch/validate.hpp"

@@ -6,7 +6,7 @@
 
 #include <cstdint>
 
-#include "kvevict/batch/prefill.hpp"
+#include "kvevict/batch/prefill_rules.hpp"
 #include "kvevict/batch/state.hpp"
 #include "kvevict/cuda/device_helpers.cuh"
 #include "kvevict/cuda/prefill_workspace.cuh"

@@ -8,7 +8,7 @@
 #include <cstdint>
 
 #include "kvevict/batch/inputs.hpp"
-#include "kvevict/batch/prefill.hpp"
+#include "kvevict/batch/prefill_rules.hpp"
 #include "kvevict/batch/score_sources.hpp"
 #include "kvevict/batch/state.hpp"
 #include "kvevict/batch/status.hpp"

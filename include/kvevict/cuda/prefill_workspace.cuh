@@ -9,7 +9,7 @@
 #include <cstdint>
 
 #include "kvevict/batch/inputs.hpp"
-#include "kvevict/batch/prefill.hpp"
+#include "kvevict/batch/prefill_rules.hpp"
 #include "kvevict/batch/state.hpp"
 #include "kvevict/batch/validate.hpp"
 #include "kvevict/policy/column_sums.hpp"
