@@ -7,6 +7,7 @@
 #include "kvevict/batch/multi_token.hpp"
 #include "kvevict/batch/prefill.hpp"
 #include "kvevict/batch/prefill_key_norms.hpp"
+#include "kvevict/batch/prefill_window.hpp"
 #include "kvevict/batch/score_sources.hpp"
 #include "kvevict/batch/state.hpp"
 #include "kvevict/batch/status.hpp"

@@ -19,6 +19,8 @@
 #include "kvevict/error.hpp"
 #include "kvevict/order.hpp"
 #include "kvevict/policy/policy_base.hpp"
+#include "kvevict/policy/prefill_scores.hpp"
+#include "kvevict/policy/snapkv.hpp"
 
 namespace kvevict {
 
@@ -96,10 +98,53 @@ class h2o_policy : public policy_base<h2o_policy> {
   const h2o_config& config() const noexcept { return config_; }
 
   void select_keep(std::int32_t, std::int32_t, std::int32_t length, const float* score, std::int32_t* keep) const {
-    keep_top_keys(length, config_.sinks, config_.recent, [score](std::int32_t p) { return eviction_key(score[p], p); }, keep);
+    keep_top_keys(length, config_.sinks, kept_recent(config_.recent),
+                  [score](std::int32_t p) { return eviction_key(score[p], p); }, keep);
+  }
+
+  using policy_base::prefill;
+
+  /// SnapKV prefill (snapkv.hpp): scores from the attention of the last
+  /// in.snap.window prompt rows, pooled along positions; the window is kept
+  /// beside the sinks and the recent tokens, the rest of the budget by score.
+  template <class T, class Layout>
+  prefill_result prefill(std::int32_t b, std::int32_t length, const window_probs& in, const kv_view<T, Layout>& view) {
+    const detail::site w = snap_call(b, length, in.snap, view);
+    detail::score_prefill(w, shape(), group(), rule().decay, length, in, scratch_.data(), shape().capacity);
+    return commit_prefill(w, b, length, &view, in.snap.window);
+  }
+
+  /// The same from the window rows' logits and LSE.
+  template <class T, class Layout>
+  prefill_result prefill(std::int32_t b, std::int32_t length, const window_logits& in, const kv_view<T, Layout>& view) {
+    const detail::site w = snap_call(b, length, in.snap, view);
+    detail::score_prefill(w, shape(), group(), rule().decay, length, in, scratch_.data(), shape().capacity);
+    return commit_prefill(w, b, length, &view, in.snap.window);
+  }
+
+  /// The same from the window rows' queries and LSE and the keys in slots
+  /// [0, L) of `view` (O(window * L * head_dim) per query head).
+  template <class Q, class T, class Layout>
+  prefill_result prefill(std::int32_t b, std::int32_t length, const window_queries<Q>& in,
+                         const kv_view<T, Layout>& view) {
+    const detail::site w = snap_call(b, length, in.snap, view);
+    require_rows(w, view, b, length, all_columns());
+    detail::score_prefill(w, shape(), group(), rule().decay, b, length, in, view, scratch_.data(), shape().capacity);
+    return commit_prefill(w, b, length, &view, in.snap.window);
   }
 
  private:
+  /// The checks every SnapKV prefill starts with; its site.
+  template <class T, class Layout>
+  detail::site snap_call(std::int32_t b, std::int32_t length, const snap_window& snap,
+                         const kv_view<T, Layout>& view) const {
+    const detail::site w = where("prefill");
+    require_prefill(w, b, length);
+    detail::require_policy_view(w, shape(), view);
+    detail::require_snap_window(w, "in.snap", snap, rule());
+    return w;
+  }
+
   h2o_config config_;
 };
 

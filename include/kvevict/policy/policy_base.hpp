@@ -27,6 +27,7 @@
 #include "kvevict/policy/decode_rules.hpp"
 #include "kvevict/policy/evict_to.hpp"
 #include "kvevict/policy/policy_shape.hpp"
+#include "kvevict/policy/prefill_scores.hpp"
 #include "kvevict/policy/score_increments.hpp"
 #include "kvevict/policy/sequence_checks.hpp"
 #include "kvevict/score_inputs.hpp"
@@ -354,19 +355,7 @@ class policy_base {
     const detail::site w = where("prefill");
     require_prefill(w, b, length);
     detail::require_policy_view(w, shape_, view);
-    const std::int32_t expected[3] = {shape_.num_q_heads, length, length};
-    const bool at_least[3] = {false, true, true};
-    detail::require_extents(w, "probs", in.probs, expected, at_least);
-    detail::reduce_groups(
-        w, "column sums of probs", group(), length, all_columns(),
-        [&](std::int32_t q, std::int32_t p) {
-          return prefill_column_sum(p, length, [&](std::int32_t i) {
-            const float x = in.probs(q, i, p);
-            detail::require_probability(w, "probs", x, q, i, p);
-            return decayed_row(rule_.decay, length, i, x);
-          });
-        },
-        scratch_.data(), shape_.capacity);
+    detail::score_prefill(w, group(), rule_.decay, length, in, scratch_.data(), shape_.capacity);
     return commit_prefill(w, b, length, &view);
   }
 
@@ -377,7 +366,7 @@ class policy_base {
     const detail::site w = where("prefill");
     require_prefill(w, b, length);
     detail::require_policy_view(w, shape_, view);
-    score_column_sums(w, length, in);
+    detail::score_prefill(w, group(), length, in, scratch_.data(), shape_.capacity);
     return commit_prefill(w, b, length, &view);
   }
 
@@ -387,7 +376,7 @@ class policy_base {
   prefill_result prefill(std::int32_t b, std::int32_t length, const prefill_column_sums& in) {
     const detail::site w = where("prefill");
     require_prefill(w, b, length);
-    score_column_sums(w, length, in);
+    detail::score_prefill(w, group(), length, in, scratch_.data(), shape_.capacity);
     return commit_prefill<float, strided_layout>(w, b, length, nullptr);
   }
 
@@ -401,17 +390,7 @@ class policy_base {
     detail::require_policy_view(w, shape_, view);
     detail::require_prefill_queries(w, shape_, in, length, view.head_dim);
     require_rows(w, view, b, length, all_columns());
-    const std::int32_t g = shape_.group_size();
-    detail::reduce_groups(
-        w, "column sums from (q, lse)", group(), length, all_columns(),
-        [&](std::int32_t q, std::int32_t p) {
-          const auto* key = view.k_row(b, q / g, p);
-          return prefill_column_sum(p, length, [&](std::int32_t i) {
-            const float logit = attention_logit(&in.q(q, i, 0), in.q.strides[2], key, view.head_dim);
-            return decayed_row(rule_.decay, length, i, probability_from_logit(logit, in.scale, in.lse(q, i), in.base));
-          });
-        },
-        scratch_.data(), shape_.capacity);
+    detail::score_prefill(w, group(), rule_.decay, b, length, in, view, scratch_.data(), shape_.capacity);
     return commit_prefill(w, b, length, &view);
   }
 
@@ -512,6 +491,10 @@ class policy_base {
     return commit_prefill(w, b, length, &view);
   }
 
+  /// The newest positions a prefill keep set protects: `recent`, or the
+  /// observation window of a SnapKV prefill when that is longer.
+  std::int32_t kept_recent(std::int32_t recent) const noexcept { return std::max(recent, keep_window_); }
+
   /// Prefill scores of (h, p) written by the prefill overloads.
   const float* prefill_scores(std::int32_t h) const noexcept { return scratch_.data() + h * std::size_t(shape_.capacity); }
 
@@ -586,15 +569,6 @@ class policy_base {
   }
   detail::group_info group() const noexcept { return {shape_.num_kv_heads, shape_.group_size(), rule_.reduce}; }
 
-  void score_column_sums(const detail::site& w, std::int32_t length, const prefill_column_sums& in) {
-    const std::int32_t expected[2] = {shape_.num_q_heads, length};
-    const bool at_least[2] = {false, true};
-    detail::require_extents(w, "sums", in.sums, expected, at_least);
-    detail::reduce_groups(
-        w, "sums", group(), length, all_columns(), [&](std::int32_t q, std::int32_t p) { return in.sums(q, p); },
-        scratch_.data(), shape_.capacity);
-  }
-
   /// Adds the validated increments in scratch_ (columns [0, width)) to the
   /// occupied slots of b and commits them (commit_next_scores). Ends the
   /// step's observation.
@@ -643,16 +617,20 @@ class policy_base {
 
   /// Selects every head's keep set from the prefill scores in scratch_, then
   /// moves the kept rows (if a view is given) and rewrites the slot table.
+  /// `window`: the last `window` positions are kept beside the rule's
+  /// protection (SnapKV's observation window; kept_recent).
   template <class T, class Layout>
   prefill_result commit_prefill(const detail::site& w, std::int32_t b, std::int32_t length,
-                                const kv_view<T, Layout>* view) {
+                                const kv_view<T, Layout>* view, std::int32_t window = 0) {
     if (view) {
       require_rows(w, *view, b, length, all_columns());
       require_distinct_pages(w, *view, b, length);
     }
     const std::int32_t kept = std::min(length, rule_.budget);
+    keep_window_ = window;
     for (std::int32_t h = 0; h < shape_.num_kv_heads; ++h)
       derived().select_keep(b, h, length, prefill_scores(h), keep_.data() + std::size_t(h) * shape_.capacity);
+    keep_window_ = 0;
     for (std::int32_t h = 0; h < shape_.num_kv_heads; ++h) {
       const std::int32_t* keep = keep_.data() + std::size_t(h) * shape_.capacity;
       if (view) detail::compact_rows(*view, b, h, keep, kept, static_cast<T*>(nullptr));
@@ -694,6 +672,7 @@ class policy_base {
   std::vector<std::uint8_t> unobserved_;   // [B]: 1 from an append until its observe
   std::vector<std::int32_t> found_victims_;  // [B][Hkv]: the victims observe found
   std::vector<std::uint8_t> victims_found_;  // [B]: 1 while found_victims_ of b is current
+  std::int32_t keep_window_ = 0;             // commit_prefill's window while it selects
 };
 
 }  // namespace kvevict
