@@ -28,8 +28,10 @@
 #include "cuda/device_mirror.cuh"
 #include "kvevict/batch/prefill.hpp"
 #include "kvevict/batch/prefill_key_norms.hpp"
+#include "kvevict/batch/prefill_window.hpp"
 #include "kvevict/cuda/kvevict_cuda.cuh"
 #include "kvevict/cuda/prefill.cuh"
+#include "kvevict/cuda/prefill_window.cuh"
 #include "support/caches.hpp"
 #include "support/prefill_fixtures.hpp"
 
@@ -616,4 +618,127 @@ TEST_CASE("cuda prefill by key norms equals the host's: state, K/V bytes, pages,
         else if (dtype == 1) run(kvevict::half{});
         else run(kvevict::bfloat16{});
       }
+}
+
+namespace {
+
+/// SnapKV's window inputs of a drawn prompt batch: probabilities, logits,
+/// LSE and queries of the last w rows, [B][Hq][w][M] (queries [..][D]).
+struct window_batch {
+  std::vector<float> probs, logits, lse, q;
+};
+
+window_batch draw_window(std::mt19937& rng, const prompt_batch& d, std::int32_t w) {
+  std::uniform_real_distribution<double> u(0.0, 1.0);
+  const std::size_t rows = std::size_t(d.B) * d.Hq() * w;
+  window_batch x;
+  x.probs.resize(rows * d.M);
+  x.logits.resize(rows * d.M);
+  for (std::size_t i = 0; i < x.probs.size(); ++i) {
+    x.probs[i] = u(rng) < 0.15 ? 0.25f : static_cast<float>(std::pow(u(rng), 4.0));
+    x.logits[i] = static_cast<float>(8.0 * u(rng) - 4.0);
+  }
+  x.lse.resize(rows);
+  for (float& v : x.lse) v = static_cast<float>(1.0 + 3.0 * u(rng));
+  x.q.resize(rows * d.D);
+  for (float& v : x.q) v = static_cast<float>(std::int32_t(u(rng) * 32.0)) / 16.0f - 1.0f;
+  return x;
+}
+
+}  // namespace
+
+TEST_CASE("cuda SnapKV prefill equals the host's for probs, logits + LSE and queries + LSE") {
+  // bhsd and paged_hnd x every dtype x GQA 1 and 4 x the three inputs;
+  // windows up to 40 rows (query rows staged in several passes), every
+  // pooling width; prompts shorter than the window among the draws
+  // (bad_length); the second call plants a NaN in sequence 0's input.
+  std::uint32_t seed = 60;
+  const int stride = kvtest::quick_stride(1);
+  for (const layout_kind layout : {layout_kind::bhsd, layout_kind::paged_hnd})
+    for (const std::int32_t g : {1, 4})
+      for (int dtype = 0; dtype < 3; ++dtype)
+        for (int input = 0; input < 3; ++input, ++seed) {
+          if (seed % stride != 0) continue;
+          const auto run = [&](auto tag) {
+            using T = decltype(tag);
+            CAPTURE(seed);
+            CAPTURE(std::string(kvtest::name(layout)));
+            CAPTURE(g);
+            CAPTURE(input);
+            std::mt19937 rng(seed);
+            snap_window snap;
+            snap.window = 1 + std::int32_t(rng() % 40);
+            snap.pool_width = 1 + 2 * std::int32_t(rng() % 4);
+            snap.pooling = rng() % 2 ? snap_pooling::max : snap_pooling::mean;
+            CAPTURE(snap.window);
+            const std::int32_t B = 3, H = 2, D = 16, budget = snap.window + 4 + std::int32_t(rng() % 40);
+            const std::int32_t cap = seed % 2 ? budget + 1 + std::int32_t(rng() % 30) : 3000;
+            h2o_config config{budget - 3, 2, seed % 3 ? group_reduce::sum : group_reduce::max, 1.0f, 1};
+            if (seed % 4 == 0) config.decay = 0.5f;
+            prompt_batch d = draw_prompts(rng, B, H, g, D, budget, cap, prompt_options{false, false});
+            const std::int32_t w = snap.window, Hq = d.Hq();
+            const policy_shape shape{B, H, Hq, cap};
+            host_state<h2o_policy> ref(shape, config);
+            device_state<h2o_policy> dev(shape, config, 3);
+            kvtest::host_state_mirror<h2o_policy> mirror(shape, config);
+            const device_prompts<float> dp(d);
+            kvtest::with_cache<T>(layout, B, H, cap, D, 16, [&](const auto& view) {
+              for (int call = 0; call < 2; ++call) {
+                window_batch x = draw_window(rng, d, w);
+                if (call == 1) {  // sequence 0, query head Hq - 1, row w - 1, column 0
+                  const std::size_t row = std::size_t(Hq - 1) * w + std::size_t(w - 1);
+                  x.probs[row * d.M] = x.logits[row * d.M] = std::nanf("");
+                  x.q[row * D] = std::nanf("");
+                }
+                fill_cache(rng, view);
+                kvtest::device_cache dcache(view);
+                const device_buffer<float> probs(x.probs), logits(x.logits), lse(x.lse), q(x.q);
+                std::uint64_t host_status = batch_status_clear;
+                std::vector<std::int32_t> want_pages(std::size_t(B), -5);
+                init_batch_state(ref.view);
+                KVTEST_CUDA(gpu::init_batch_state(dev.view, nullptr));
+                device_buffer<std::uint64_t> status(std::vector<std::uint64_t>{batch_status_clear});
+                device_buffer<std::int32_t> pages(std::vector<std::int32_t>(std::size_t(B), -5));
+                const prompt_lengths prompts{dp.lengths.get(), d.M};
+                const auto both = [&](const auto& host_in, const auto& device_in, const auto& device_cache) {
+                  batched_prefill(ref.view, d.active_set_of(), d.prompts(), host_in, view, want_pages.data(), &host_status);
+                  std::size_t bytes = 0;
+                  KVTEST_CUDA(gpu::batched_prefill(nullptr, bytes, dev.view, dp.active(d), prompts, device_in,
+                                                   device_cache, pages.get(), status.get(), nullptr));
+                  device_buffer<unsigned char> workspace(bytes);
+                  KVTEST_CUDA(gpu::batched_prefill(workspace.get(), bytes, dev.view, dp.active(d), prompts, device_in,
+                                                   device_cache, pages.get(), status.get(), nullptr));
+                };
+                const auto host_lse = make_tensor_view<const float>(x.lse.data(), B, Hq, w);
+                const auto device_lse = make_tensor_view<const float>(lse.get(), B, Hq, w);
+                if (input == 0)
+                  both(batch_window_probs{make_tensor_view<const float>(x.probs.data(), B, Hq, w, d.M), snap},
+                       batch_window_probs{make_tensor_view<const float>(probs.get(), B, Hq, w, d.M), snap}, dcache.view);
+                if (input == 1)
+                  both(batch_window_logits{make_tensor_view<const float>(x.logits.data(), B, Hq, w, d.M), host_lse,
+                                           d.scale, d.base, snap},
+                       batch_window_logits{make_tensor_view<const float>(logits.get(), B, Hq, w, d.M), device_lse,
+                                           d.scale, d.base, snap},
+                       dcache.view);
+                if (input == 2)
+                  both(batch_window_queries<float>{make_tensor_view<const float>(x.q.data(), B, Hq, w, D), host_lse,
+                                                   d.scale, d.base, snap},
+                       batch_window_queries<float>{make_tensor_view<const float>(q.get(), B, Hq, w, D), device_lse,
+                                                   d.scale, d.base, snap},
+                       dcache.view);
+                KVTEST_CUDA(cudaDeviceSynchronize());
+                CHECK(status.download()[0] == host_status);
+                if (call == 1 && d.active[0] && d.lengths[0] >= w)
+                  CHECK(batch_status::unpack(host_status).sequence == 0);
+                CHECK(pages.download() == want_pages);
+                mirror.read(dev.view);
+                check_same_states(ref.view, mirror.view);
+                CHECK(dcache.same_bytes_as(view));
+              }
+            });
+          };
+          if (dtype == 0) run(float{});
+          else if (dtype == 1) run(kvevict::half{});
+          else run(kvevict::bfloat16{});
+        }
 }

@@ -17,8 +17,10 @@
 //     is not finite; then score_overflow at p when the pooled fold is not
 //     finite although every sum it reads is (a bad sum is reported at its
 //     own column, not again at its neighbours).
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #include "kvevict/batch/inputs.hpp"
@@ -59,20 +61,64 @@ struct window_logits_source {
   }
 };
 
+/// Row i's element as window_column_sum adds it: classified into `code`,
+/// then decayed. (Functors, not lambdas: a lambda made inside a host-device
+/// function could not call the host backend's host-only value().)
+template <class Value>
+struct classified_row {
+  const Value& value;
+  batch_code& code;
+  float decay;
+  std::int32_t length;
+
+  KVEVICT_EXEC_CHECK_DISABLE
+  KVEVICT_HOST_DEVICE float operator()(std::int32_t i) const {
+    const float x = value(i);
+    code = lower_code(code, classify_input(x, true));
+    return decayed_row(decay, length, i, x);
+  }
+};
+
 /// sum(q, p) of snapkv.hpp from value(i), each element classified into
 /// `code`; score_overflow when the sum of sound elements is not finite.
 KVEVICT_EXEC_CHECK_DISABLE
 template <class Value>
 KVEVICT_HOST_DEVICE float window_column_sum(std::int32_t p, std::int32_t length, std::int32_t window, float decay,
-                                            Value value, batch_code& code) {
-  const float sum = snap_column_sum(p, length, window, [&](std::int32_t i) {
-    const float x = value(i);
-    code = lower_code(code, classify_input(x, true));
-    return decayed_row(decay, length, i, x);
-  });
+                                            const Value& value, batch_code& code) {
+  const float sum = snap_column_sum(p, length, window, classified_row<Value>{value, code, decay, length});
   if (code == batch_code::ok && classify_input(sum, false) != batch_code::ok) code = batch_code::score_overflow;
   return sum;
 }
+
+/// Query head q's window sums as snap_pool reads them, noting any that is
+/// not finite.
+template <class SumOf>
+struct pooled_sums {
+  const SumOf& sum_of;
+  std::int32_t q;
+  bool& inherited;
+
+  KVEVICT_EXEC_CHECK_DISABLE
+  KVEVICT_HOST_DEVICE float operator()(std::int32_t j) const {
+    const float x = sum_of(q, j);
+    if (classify_input(x, false) != batch_code::ok) inherited = true;
+    return x;
+  }
+};
+
+/// Query head q's pooled value of column p.
+template <class SumOf>
+struct pooled_column {
+  const snap_window& snap;
+  const SumOf& sum_of;
+  std::int32_t p, length;
+  bool& inherited;
+
+  KVEVICT_EXEC_CHECK_DISABLE
+  KVEVICT_HOST_DEVICE float operator()(std::int32_t q) const {
+    return snap_pool(snap, p, length, pooled_sums<SumOf>{sum_of, q, inherited});
+  }
+};
 
 /// score(h, p) of snapkv.hpp from the group's window sums sum_of(q, j); its
 /// code is score_overflow when the fold is not finite although every sum
@@ -81,15 +127,9 @@ KVEVICT_EXEC_CHECK_DISABLE
 template <class SumOf>
 KVEVICT_HOST_DEVICE slot_increment fold_window_column(const snap_window& snap, std::int32_t p, std::int32_t length,
                                                       std::int32_t first_q, std::int32_t g, group_reduce reduce,
-                                                      SumOf sum_of) {
+                                                      const SumOf& sum_of) {
   bool inherited = false;
-  slot_increment inc = fold_prefill_column(first_q, g, reduce, [&](std::int32_t q) {
-    return snap_pool(snap, p, length, [&](std::int32_t j) {
-      const float x = sum_of(q, j);
-      if (classify_input(x, false) != batch_code::ok) inherited = true;
-      return x;
-    });
-  });
+  slot_increment inc = fold_prefill_column(first_q, g, reduce, pooled_column<SumOf>{snap, sum_of, p, length, inherited});
   if (inherited) inc.code = batch_code::ok;
   return inc;
 }
@@ -218,11 +258,20 @@ struct host_window_scores {
     const std::int32_t g = group_size;
     const std::size_t m = codes->size();
     std::fill(codes->begin(), codes->end(), batch_code::ok);
-    for (std::int32_t j = 0; j < g; ++j)
+    // A row at a time (add_window_row: window_column_sum's order and codes).
+    for (std::int32_t j = 0; j < g; ++j) {
+      float* sum = sums->data() + std::size_t(j) * m;
+      for (std::int32_t i = length - snap.window; i < length; ++i)
+        add_window_row(sum, i, length - snap.window, row_decay(decay, length, i), [&](std::int32_t p) {
+          const float x = value(b, h, h * g + j, length, i, p);
+          if (!(x >= 0.0f && x <= std::numeric_limits<float>::max()))  // NaN fails the first test
+            (*codes)[std::size_t(p)] = lower_code((*codes)[std::size_t(p)], classify_input(x, true));
+          return x;
+        });
       for (std::int32_t p = 0; p < length; ++p)
-        (*sums)[std::size_t(j) * m + std::size_t(p)] = window_column_sum(
-            p, length, snap.window, decay, [&](std::int32_t i) { return value(b, h, h * g + j, length, i, p); },
-            (*codes)[std::size_t(p)]);
+        if ((*codes)[std::size_t(p)] == batch_code::ok && classify_input(sum[p], false) != batch_code::ok)
+          (*codes)[std::size_t(p)] = batch_code::score_overflow;  // as window_column_sum
+    }
     for (std::int32_t p = 0; p < length; ++p) {
       const slot_increment inc = fold_window_column(snap, p, length, h * g, g, reduce, [&](std::int32_t q, std::int32_t c) {
         return (*sums)[std::size_t(q - h * g) * m + std::size_t(c)];

@@ -101,7 +101,7 @@ cudaError_t run_prefill(const kvevict::detail::site& w, void* workspace, std::si
   // the workspace pointers, which it does not read when asking).
   std::int32_t stand_in = 0;
   prefill_workspace ws;
-  carve_prefill(nullptr, st, entries, m, Scoring::has_partials, Scoring::has_scores, 0, ws);
+  carve_prefill(nullptr, st, entries, m, scoring.per_pair(m), Scoring::has_scores, 0, ws);
   std::size_t select_bytes = 0;
   auto selection = [&](const prefill_workspace& at, void* memory, std::size_t& bytes) {
     kvevict::detail::prefill_keys keys = selection_keys(st, entries, at);
@@ -119,7 +119,7 @@ cudaError_t run_prefill(const kvevict::detail::site& w, void* workspace, std::si
     if (e != cudaSuccess) return e;
   }
   const std::size_t needed =
-      carve_prefill(nullptr, st, entries, m, Scoring::has_partials, Scoring::has_scores, select_bytes, ws);
+      carve_prefill(nullptr, st, entries, m, scoring.per_pair(m), Scoring::has_scores, select_bytes, ws);
   if (workspace == nullptr) {
     workspace_bytes = needed;
     return cudaSuccess;
@@ -128,7 +128,7 @@ cudaError_t run_prefill(const kvevict::detail::site& w, void* workspace, std::si
     kvevict::detail::fail<invalid_argument>(w, "workspace_bytes", "= ", workspace_bytes, " is below the ", needed,
                                             " this call needs (ask with workspace = nullptr)");
   if (entries == 0) return cudaSuccess;
-  carve_prefill(workspace, st, entries, m, Scoring::has_partials, Scoring::has_scores, select_bytes, ws);
+  carve_prefill(workspace, st, entries, m, scoring.per_pair(m), Scoring::has_scores, select_bytes, ws);
 
   const prefill_launch l{st, active, prompts, ws, entries, status, stream};
   const unsigned heads = static_cast<unsigned>(std::int64_t{entries} * st.num_heads());

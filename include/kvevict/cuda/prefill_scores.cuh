@@ -260,7 +260,8 @@ __global__ void __launch_bounds__(Threads)
 // ---- the scoring step per input ----
 
 struct scoring_none {
-  static constexpr bool has_scores = false, has_partials = false;
+  static constexpr bool has_scores = false;
+  static std::int64_t per_pair(std::int32_t) { return 0; }
   cudaError_t launch(const prefill_launch&) const { return cudaSuccess; }
   void require_grid(const kvevict::detail::site&, std::int64_t, const batch_state_view&, std::int32_t) const {}
 };
@@ -280,7 +281,8 @@ inline dim3 partials_grid(std::int64_t blocks, std::int32_t max_length) {
 }
 
 struct scoring_probs {
-  static constexpr bool has_scores = true, has_partials = true;
+  static constexpr bool has_scores = true;
+  static std::int64_t per_pair(std::int32_t max_length) { return partials_per_pair(max_length); }
   batch_prefill_probs in;
 
   void require_grid(const kvevict::detail::site& w, std::int64_t entries, const batch_state_view& st,
@@ -298,9 +300,32 @@ struct scoring_probs {
   }
 };
 
+/// The query tile grows with head_dim: refuse one the device cannot hold
+/// before the call's memset and prepare kernel change anything.
+template <class Q, class T>
+void require_query_tile(const kvevict::detail::site& w, std::int32_t head_dim) {
+  const std::size_t shared = query_tile_layout<Q, T>(head_dim).total();
+  int device = 0, limit = 0;
+  if (shared > 48 * 1024 && cudaGetDevice(&device) == cudaSuccess &&
+      cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) == cudaSuccess &&
+      shared > static_cast<std::size_t>(limit))
+    kvevict::detail::fail<invalid_argument>(w, "cache.head_dim", "= ", head_dim, " needs ", shared,
+                                            " bytes of shared memory per block for these dtypes; the device "
+                                            "allows ", limit);
+}
+
+/// Beyond the default 48 KiB a kernel opts in (up to the device's limit,
+/// which require_query_tile checked).
+template <class Kernel>
+cudaError_t opt_in_shared(Kernel kernel, std::size_t shared) {
+  if (shared <= 48 * 1024) return cudaSuccess;
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared));
+}
+
 template <class Q, class T, class Layout>
 struct scoring_queries {
-  static constexpr bool has_scores = true, has_partials = true;
+  static constexpr bool has_scores = true;
+  static std::int64_t per_pair(std::int32_t max_length) { return partials_per_pair(max_length); }
   batch_prefill_queries<Q> in;
   kv_view<T, Layout> cache;
 
@@ -308,36 +333,25 @@ struct scoring_queries {
                     std::int32_t max_length) const {
     require_blocks(w, entries * st.num_q_heads * tiles_of(max_length, kPrefillKeys));
     require_blocks(w, entries * st.num_heads() * tiles_of(max_length, kPrefillColumns));
-    // The tile grows with head_dim; refuse one the device cannot hold here,
-    // before the call's memset and prepare kernel change anything.
-    const std::size_t shared = query_tile_layout<Q, T>(cache.head_dim).total();
-    int device = 0, limit = 0;
-    if (shared > 48 * 1024 && cudaGetDevice(&device) == cudaSuccess &&
-        cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) == cudaSuccess &&
-        shared > static_cast<std::size_t>(limit))
-      kvevict::detail::fail<invalid_argument>(w, "cache.head_dim", "= ", cache.head_dim, " needs ", shared,
-                                              " bytes of shared memory per block for these dtypes; the device "
-                                              "allows ", limit);
+    require_query_tile<Q, T>(w, cache.head_dim);
   }
   cudaError_t launch(const prefill_launch& l) const {
     const std::int32_t tiles = tiles_of(l.prompts.max_length, kPrefillKeys);
     const std::int64_t blocks = std::int64_t{l.entries} * l.st.num_q_heads * tiles;
     const std::size_t shared = query_tile_layout<Q, T>(cache.head_dim).total();
     const auto kernel = prefill_query_partials_kernel<kPrefillKeys, Q, T, Layout>;
-    if (shared > 48 * 1024) {  // beyond the default: opt in (up to the device's limit, or the launch fails)
-      const cudaError_t e =
-          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared));
-      if (e != cudaSuccess) return e;
-    }
+    cudaError_t e = opt_in_shared(kernel, shared);
+    if (e != cudaSuccess) return e;
     kernel<<<partials_grid(blocks, l.prompts.max_length), kPrefillKeys, shared, l.stream>>>(
         l.st, l.active, l.prompts, in, cache, l.ws, tiles, l.status);
-    const cudaError_t e = cudaGetLastError();
+    e = cudaGetLastError();
     return e == cudaSuccess ? launch_combine(l) : e;
   }
 };
 
 struct scoring_sums {
-  static constexpr bool has_scores = true, has_partials = false;
+  static constexpr bool has_scores = true;
+  static std::int64_t per_pair(std::int32_t) { return 0; }
   batch_prefill_sums in;
 
   void require_grid(const kvevict::detail::site& w, std::int64_t entries, const batch_state_view& st,
@@ -355,7 +369,8 @@ struct scoring_sums {
 
 template <class T, class Layout>
 struct scoring_key_norms {
-  static constexpr bool has_scores = true, has_partials = false;
+  static constexpr bool has_scores = true;
+  static std::int64_t per_pair(std::int32_t) { return 0; }
   key_norms<T, Layout> in;
 
   void require_grid(const kvevict::detail::site& w, std::int64_t entries, const batch_state_view& st,

@@ -41,7 +41,7 @@ struct prefill_workspace {
   std::uint32_t* seq_bad = nullptr;       ///< [E]: nonzero once any problem of the entry's sequence is found
   std::uint8_t* head_refused = nullptr;   ///< [E][H]: refused before scoring (its sequence, or its queries)
   std::uint64_t* streams = nullptr;       ///< [E]: random's request stream of the entry's sequence
-  float* partials = nullptr;              ///< [E][Hq][per_pair]: chunk partials (probs, queries)
+  float* partials = nullptr;              ///< [E][Hq][per_pair]: chunk partials (probs, queries) or window sums
   float* scores = nullptr;                ///< [E][H][max_length]: prefill scores by position
   std::int32_t* candidates = nullptr;     ///< [E][H]: candidates of the keep selection (0: none)
   std::int32_t* takes = nullptr;          ///< [E][H]: how many of them are kept
@@ -78,18 +78,19 @@ struct prefill_head {
 __device__ inline void mark_bad(const prefill_workspace& ws, std::int32_t entry) { atomicOr(&ws.seq_bad[entry], 1u); }
 
 /// Carves the workspace (memory null: only counts); returns the bytes.
+/// per_pair: the partials of one (entry, query head), 0 for none.
 inline std::size_t carve_prefill(void* memory, const batch_state_view& st, std::int32_t entries,
-                                 std::int32_t max_length, bool partials, bool scores, std::size_t select_bytes,
+                                 std::int32_t max_length, std::int64_t per_pair, bool scores, std::size_t select_bytes,
                                  prefill_workspace& ws) {
   kvevict::detail::state_carver c(memory);
   const std::int64_t heads = std::int64_t{entries} * st.num_heads();
   ws.max_length = max_length;
   ws.index_stride = st.rule.budget;
-  ws.per_pair = partials ? partials_per_pair(max_length) : 0;
+  ws.per_pair = per_pair;
   ws.seq_bad = c.take<std::uint32_t>(entries);
   ws.head_refused = c.take<std::uint8_t>(heads);
   ws.streams = c.take<std::uint64_t>(entries);
-  ws.partials = c.take<float>(partials ? std::int64_t{entries} * st.num_q_heads * ws.per_pair : 0);
+  ws.partials = c.take<float>(std::int64_t{entries} * st.num_q_heads * per_pair);
   ws.scores = c.take<float>(scores ? heads * max_length : 0);
   ws.candidates = c.take<std::int32_t>(heads);
   ws.takes = c.take<std::int32_t>(heads);
