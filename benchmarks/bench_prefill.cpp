@@ -2,12 +2,16 @@
 // 20% or 50% of N per KV head (recent window 64) and compact the kept rows
 // in position order into slots [0, budget) of the cache, per sequence
 // (policy.prefill) and for the whole batch (batched_prefill), from column
-// sums the engine computed or from the causal probability matrix.
+// sums the engine computed or from the causal probability matrix; and
+// SnapKV (the paper's preset: the last 32 rows, max pooling of width 7) from
+// the window rows' probabilities.
 //
-// Baseline: reference_keep_gather, the reference's prompt-time keep written
+// Baselines: reference_keep_gather, the reference's prompt-time keep written
 // plainly: fold the group's column sums, nth_element for the heavy of the
 // older positions on (score, position) keys, sort the kept positions, and
-// gather their K and V rows into a fresh buffer.
+// gather their K and V rows into a fresh buffer; reference_snapkv_gather,
+// the same after SnapKV's scoring written plainly (window sums, max pool,
+// group sum), from the same window probabilities as the snapkv rows.
 //
 // One item = one (sequence, KV head, prompt token) scored. Bytes = the input
 // read plus the kept K and V rows read and written once (an upper bound of
@@ -125,6 +129,101 @@ void reference_keep_gather(benchmark::State& state, scenario sc, kvbench::keep_f
   kvbench::report(state, pr.items(), std::int64_t(pr.sums.size() * sizeof(float)) + pr.moved_bytes<T>());
 }
 
+// ---- SnapKV: the window's probabilities [B][Hq][32][N] ----
+
+struct window_prompt {
+  prompt pr;
+  snap_window snap = snap_window::paper();
+  std::vector<float> probs;  // [B][Hq][w][N]
+
+  window_prompt(const scenario& s, const kvbench::keep_fraction& keep)
+      : pr(s, keep),
+        probs(kvbench::probabilities(std::size_t(s.seqs) * s.q_heads() * 32 * s.slots, s.slots,
+                                     kvbench::distribution::powerlaw, 5)) {}
+  std::int64_t read_bytes() const { return std::int64_t(probs.size() * sizeof(float)); }
+};
+
+template <class T>
+void per_sequence_snapkv(benchmark::State& state, scenario sc, kvbench::keep_fraction keep) {
+  const window_prompt wp(kvbench::cache_slice(sc, sizeof(T)), keep);
+  const scenario& s = wp.pr.sc;
+  h2o_policy policy(wp.pr.shape(), wp.pr.config());
+  auto cache = make_bhsd_cache<T>(s.seqs, sc.kv_heads, sc.slots, sc.head_dim);
+  const std::size_t per_seq = std::size_t(sc.q_heads()) * 32 * sc.slots;
+  for (auto _ : state)
+    for (std::int32_t b = 0; b < s.seqs; ++b) {
+      policy.reset(b);
+      const auto probs = make_tensor_view<const float>(wp.probs.data() + b * per_seq, sc.q_heads(), 32, sc.slots);
+      benchmark::DoNotOptimize(policy.prefill(b, sc.slots, window_probs{probs, wp.snap}, cache.view()));
+    }
+  kvbench::report(state, wp.pr.items(), wp.read_bytes() + wp.pr.moved_bytes<T>());
+}
+
+template <class T>
+void batched_snapkv(benchmark::State& state, scenario sc, kvbench::keep_fraction keep) {
+  const window_prompt wp(kvbench::cache_slice(sc, sizeof(T)), keep);
+  const scenario& s = wp.pr.sc;
+  batched_policy<h2o_policy, device::host> layer(wp.pr.shape(), wp.pr.config());
+  auto cache = make_bhsd_cache<T>(s.seqs, sc.kv_heads, sc.slots, sc.head_dim);
+  const std::vector<std::int32_t> lengths(std::size_t(s.seqs), sc.slots);
+  const batch_window_probs in{make_tensor_view<const float>(wp.probs.data(), s.seqs, sc.q_heads(), 32, sc.slots),
+                              wp.snap};
+  std::uint64_t status = batch_status_clear;
+  for (auto _ : state) {
+    layer.reset(active_set::all());
+    batched_prefill(layer.state(), active_set::all(), prompt_lengths{lengths.data(), sc.slots}, in, cache.view(),
+                    nullptr, &status);
+  }
+  throw_if_error(status, "batched_prefill");
+  kvbench::report(state, wp.pr.items(), wp.read_bytes() + wp.pr.moved_bytes<T>());
+}
+
+template <class T>
+void reference_snapkv_gather(benchmark::State& state, scenario sc, kvbench::keep_fraction keep) {
+  const window_prompt wp(kvbench::cache_slice(sc, sizeof(T)), keep);
+  const prompt& pr = wp.pr;
+  const std::size_t n = std::size_t(sc.slots), d = std::size_t(sc.head_dim), w = 32;
+  const std::size_t rows = std::size_t(pr.sc.heads_total()) * n;
+  const std::vector<T> k = kvbench::random_rows<T>(rows * d, 1.0f, 8), v = k;
+  std::vector<T> k2(std::size_t(pr.sc.heads_total()) * pr.budget * d), v2(k2.size());
+  std::vector<float> sum(n), score(n);
+  std::vector<std::int32_t> idx(n);
+  const std::size_t first = n - w;
+  const std::int32_t keep_window = std::max<std::int32_t>(kvbench::kRecent, 32);
+  const std::int32_t heavy = pr.budget - keep_window, older = sc.slots - keep_window;
+  for (auto _ : state) {
+    for (std::int64_t bh = 0; bh < pr.sc.heads_total(); ++bh) {
+      std::fill(score.begin(), score.end(), 0.0f);
+      for (std::int32_t g = 0; g < sc.group; ++g) {
+        const float* rows_of = &wp.probs[(std::size_t(bh) * sc.group + std::size_t(g)) * w * n];
+        std::fill(sum.begin(), sum.end(), 0.0f);
+        for (std::size_t r = 0; r < w; ++r)
+          for (std::size_t j = 0; j <= first + r; ++j) sum[j] += rows_of[r * n + j];
+        for (std::size_t j = 0; j < n; ++j) {
+          float best = sum[j];
+          if (j < first)
+            for (std::size_t c = j > 3 ? j - 3 : 0; c <= std::min(j + 3, first - 1); ++c) best = std::max(best, sum[c]);
+          score[j] += best;
+        }
+      }
+      std::iota(idx.begin(), idx.end(), 0);
+      std::nth_element(idx.begin(), idx.begin() + heavy, idx.begin() + older, [&](std::int32_t a, std::int32_t c) {
+        return eviction_key(score[std::size_t(a)], a) > eviction_key(score[std::size_t(c)], c);
+      });
+      std::sort(idx.begin(), idx.begin() + heavy);
+      std::copy(idx.begin() + older, idx.end(), idx.begin() + heavy);
+      for (std::int32_t j = 0; j < pr.budget; ++j) {
+        const std::size_t from = (std::size_t(bh) * n + std::size_t(idx[std::size_t(j)])) * d;
+        const std::size_t to = (std::size_t(bh) * pr.budget + std::size_t(j)) * d;
+        std::copy_n(&k[from], d, &k2[to]);
+        std::copy_n(&v[from], d, &v2[to]);
+      }
+    }
+    benchmark::ClobberMemory();
+  }
+  kvbench::report(state, pr.items(), wp.read_bytes() + pr.moved_bytes<T>());
+}
+
 template <class T>
 void register_dtype(const scenario& sc, const kvbench::keep_fraction& keep) {
   const auto name = [&](const char* method, const char* input) {
@@ -134,6 +233,11 @@ void register_dtype(const scenario& sc, const kvbench::keep_fraction& keep) {
   benchmark::RegisterBenchmark(name("h2o", "column_sums").c_str(), per_sequence_sums<T>, sc, keep)->Unit(unit);
   benchmark::RegisterBenchmark(name("h2o_batched", "column_sums").c_str(), batched_sums<T>, sc, keep)->Unit(unit);
   benchmark::RegisterBenchmark(name("reference_keep_gather", "column_sums").c_str(), reference_keep_gather<T>, sc,
+                               keep)
+      ->Unit(unit);
+  benchmark::RegisterBenchmark(name("snapkv", "window_probs").c_str(), per_sequence_snapkv<T>, sc, keep)->Unit(unit);
+  benchmark::RegisterBenchmark(name("snapkv_batched", "window_probs").c_str(), batched_snapkv<T>, sc, keep)->Unit(unit);
+  benchmark::RegisterBenchmark(name("reference_snapkv_gather", "window_probs").c_str(), reference_snapkv_gather<T>, sc,
                                keep)
       ->Unit(unit);
 }

@@ -6,6 +6,7 @@
 // prefill overloads (policy_base.hpp, h2o.hpp) call these, then select
 // and compact. The sums follow the canonical orders of column_sums.hpp and
 // snapkv.hpp, and the group fold is fold_group, as on every backend.
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <vector>
@@ -105,17 +106,17 @@ void require_window_lse(const Where& w, const tensor_view<const float, 2>& lse, 
 }
 
 /// SnapKV scores from element(q, r, p), the probability of window row r
-/// (prompt row L - window + r) on position p, validated by the caller.
+/// (prompt row L - window + r) on position p, validated by the caller; the
+/// sums a row at a time (add_window_row: snap_column_sum's order).
 template <class Where, class Element>
 void score_snap(const Where& w, const group_info& g, float decay, std::int32_t length, const snap_window& snap,
                 Element element, float* out, std::int64_t stride) {
   const std::int32_t heads = g.num_kv_heads * g.group_size, first = length - snap.window;
   std::vector<float> sums(std::size_t(heads) * std::size_t(length));  // prefill allocates: not the decode path
   for (std::int32_t q = 0; q < heads; ++q)
-    for (std::int32_t p = 0; p < length; ++p)
-      sums[std::size_t(q) * length + p] = snap_column_sum(p, length, snap.window, [&](std::int32_t i) {
-        return decayed_row(decay, length, i, element(q, i - first, p));
-      });
+    for (std::int32_t i = first; i < length; ++i)
+      add_window_row(sums.data() + std::size_t(q) * length, i, first, row_decay(decay, length, i),
+                     [&](std::int32_t p) { return element(q, i - first, p); });
   reduce_groups(
       w, "pooled window sums", g, length, every_column(),
       [&](std::int32_t q, std::int32_t p) {

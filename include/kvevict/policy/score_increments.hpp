@@ -8,6 +8,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
+#include <string>
 
 #include "kvevict/dtype/convert.hpp"
 #include "kvevict/error.hpp"
@@ -52,14 +54,21 @@ void key_norm_increments(const Where& where, const kv_view<T, Layout>& view, std
       }
 }
 
-/// A probability (or a sum of them) must be finite and not negative.
+/// Throws for a probability that is not finite or is negative (out of line:
+/// the prefill loops call require_probability per element).
 template <class Where, class... Index>
-void require_probability(const Where& where, const char* arg, float x, Index... index) {
+KVEVICT_NOINLINE void fail_probability(const Where& where, const char* arg, float x, Index... index) {
   require_finite(where, arg, x, index...);
-  if (x >= 0.0f) return;
   std::string name = arg;
   ((name += concat("[", index, "]")), ...);
   fail<invalid_argument>(where, name, "= ", x, " is negative");
+}
+
+/// A probability (or a sum of them) must be finite and not negative.
+template <class Where, class... Index>
+inline void require_probability(const Where& where, const char* arg, float x, Index... index) {
+  if (x >= 0.0f && x <= std::numeric_limits<float>::max()) return;  // NaN fails the first test
+  fail_probability(where, arg, x, index...);
 }
 
 /// Throws for the bad input a fold_group reported at query head q, column c.

@@ -130,6 +130,22 @@ KVEVICT_HOST_DEVICE KVEVICT_REPRODUCIBLE inline float snap_column_sum(std::int32
   return acc.sum;
 }
 
+/// The host's form of snap_column_sum for a whole row at a time: adds
+/// prompt row i's values value(p), p in [0, i], to sums[0, i] in
+/// snap_column_sum's order (row `first` starts columns [0, first]; a later
+/// row i adds to columns [0, i) and starts column i), so the rows are read
+/// contiguously with no per-element branch. `weigh` is row i's row_decay.
+template <class Value>
+inline void add_window_row(float* sums, std::int32_t i, std::int32_t first, const row_decay& weigh, Value value) {
+  KVEVICT_FP_CONTRACT_OFF
+  if (i == first) {
+    for (std::int32_t p = 0; p <= i; ++p) sums[p] = weigh(value(p));
+    return;
+  }
+  for (std::int32_t p = 0; p < i; ++p) sums[p] = detail::add(sums[p], weigh(value(p)));
+  sums[i] = weigh(value(i));
+}
+
 /// pooled(q, p) of the header from sum(j) = sum(q, j). Requires 0 <= p < L.
 KVEVICT_EXEC_CHECK_DISABLE
 template <class Sum>
