@@ -9,7 +9,8 @@ the same decisions bit for bit. See docs/python.md.
 - :class:`BatchedPolicy`: one layer's policy for a ragged batch;
 - :class:`CacheView`: your K/V buffers (bhsd, bshd, paged);
 - configs: :class:`H2OConfig`, :class:`RecentWindowConfig`,
-  :class:`RandomConfig`, :class:`ExactGreedyConfig`;
+  :class:`RandomConfig`, :class:`ExactGreedyConfig`; :class:`SnapKV`, the
+  parameters of SnapKV's prompt scoring (:meth:`BatchedPolicy.prefill_snapkv`);
 - ``kvevict.ops``: the same calls as ``torch.ops.kvevict`` custom ops;
 - ``kvevict.hf``: an evicting cache for Hugging Face transformers;
 - :class:`SequencePolicy`: the per-sequence host API (one call per sequence).
@@ -26,7 +27,7 @@ from ._ext import (
     StateError,
 )
 from .cache import CacheView
-from .config import ExactGreedyConfig, H2OConfig, PolicyConfig, RandomConfig, RecentWindowConfig
+from .config import ExactGreedyConfig, H2OConfig, PolicyConfig, RandomConfig, RecentWindowConfig, SnapKV
 from .policy import BatchedPolicy
 from .sequence import SequencePolicy
 
@@ -47,6 +48,7 @@ __all__ = [
     "RandomConfig",
     "RecentWindowConfig",
     "SequencePolicy",
+    "SnapKV",
     "StateError",
     "cuda_available",
 ]

@@ -79,6 +79,18 @@ def prefill(
     workspace None returns the workspace bytes needed and runs nothing;
     otherwise runs and returns 0."""
 
+def prefill_snapkv(
+    desc: Descriptor, state: Array, lengths: Array, max_length: int, input: int, x: Array, lse: Optional[Array],
+    scale: float, base: int, pool_width: int, pooling: int, layout: int, k_cache: Array, v_cache: Array,
+    page_table: Optional[Array], reclaimable_pages: Optional[Array], active: Optional[Array] = None,
+    workspace: Optional[Array] = None, stream: int = 0,
+) -> int:
+    """SnapKV prefill (h2o): input 0 window probs [B][Hq][window][>= M], 1
+    window logits [B][Hq][window][>= M] with lse [B][Hq][window], 2 window
+    queries [B][Hq][window][head_dim] with lse; the window is x's extent in
+    dimension 2, pooling 0 max, 1 mean. Workspace and return value as
+    prefill."""
+
 def status_word(desc: Descriptor, state: Array, stream: int = 0) -> int: ...
 def check(desc: Descriptor, state: Array, stream: int = 0) -> None: ...
 def state_offsets(desc: Descriptor, state: Array) -> Dict[str, Optional[int]]: ...
@@ -102,6 +114,14 @@ class _SequencePolicy:
     def prefill_key_norms(
         self, b: int, length: int, layout: int, k_cache: Array, v_cache: Array, page_table: Optional[Array] = None
     ) -> Tuple[int, int]: ...
+    def prefill_snapkv(
+        self, b: int, length: int, input: int, x: Array, lse: Optional[Array], scale: float, base: int,
+        pool_width: int, pooling: int, layout: int, k_cache: Array, v_cache: Array,
+        page_table: Optional[Array] = None,
+    ) -> Tuple[int, int]:
+        """SnapKV prefill (h2o; the others raise): input 0 window probs
+        [Hq][window][>= length], 1 window logits with lse [Hq][window], 2
+        window queries [Hq][window][head_dim] with lse; pooling 0 max, 1 mean."""
     def reset(self, b: int) -> None: ...
     def length(self, b: int) -> int: ...
     def positions(self) -> Any: ...

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import Literal, Union
+from typing import Any, Literal, Union
 
 from . import _ext
 
@@ -136,6 +136,61 @@ class ExactGreedyConfig:
 
 
 PolicyConfig = Union[H2OConfig, RecentWindowConfig, RandomConfig, ExactGreedyConfig]
+
+SnapPooling = Literal["max", "mean"]
+_POOLING = {"max": 0, "mean": 1}
+
+
+@dataclass(frozen=True)
+class SnapKV:
+    """SnapKV's prompt scoring (Li et al., 2024; the C++ ``snap_window``), for
+    :meth:`BatchedPolicy.prefill_snapkv` and
+    :meth:`SequencePolicy.prefill_snapkv` of an h2o policy: a prompt of
+    ``L`` tokens is scored by the attention of its last ``window`` rows
+    only (the observation window; window row ``r`` is prompt row ``L -
+    window + r``), each position's window sum pooled over ``pool_width //
+    2`` neighbours on each side (``"max"``, or ``"mean"``: the sum divided
+    by ``pool_width``; positions outside ``[0, L - window)`` count as
+    zero), the window's own positions unpooled. The last
+    ``max(recent, window)`` positions and the ``sinks`` are always kept, the
+    rest of the budget by score.
+
+    ``window`` must equal the window rows of the input passed with it (its
+    dimension 2, batched), fit the budget beside the sinks and not exceed
+    any prompt; ``pool_width`` is odd and positive. The C++ library checks
+    them and names them ``in.snap.window``, ``in.snap.pool_width`` and
+    ``in.snap.pooling``."""
+
+    window: int = 32
+    pool_width: int = 7
+    pooling: SnapPooling = "max"
+
+    @staticmethod
+    def paper() -> "SnapKV":
+        """The SnapKV paper's defaults: a window of 32 rows, max pooling of width 7."""
+        return SnapKV(32, 7, "max")
+
+    @staticmethod
+    def kvpress() -> "SnapKV":
+        """kvpress's SnapKVPress defaults: a window of 64 rows, mean pooling of width 5."""
+        return SnapKV(64, 5, "mean")
+
+    def _codes(self) -> tuple[int, int]:
+        """(pool_width, pooling code) as the extension takes them."""
+        if self.pooling not in _POOLING:
+            raise _ext.InvalidArgument(
+                f"kvevict.SnapKV: argument 'pooling' = {self.pooling!r} is not 'max' or 'mean'"
+            )
+        return int(self.pool_width), _POOLING[self.pooling]
+
+    def _require_rows(self, call: str, arg: str, x: Any, dim: int) -> None:
+        """The input's window rows (dimension ``dim``) are ``window``."""
+        shape = tuple(getattr(x, "shape", ()))
+        if len(shape) > dim and shape[dim] != self.window:
+            raise _ext.InvalidArgument(
+                f"kvevict.{call}: argument '{arg}' has {shape[dim]} window rows (dimension {dim}), "
+                f"but snap.window = {self.window}"
+            )
 
 
 def _float32_bits(x: float) -> int:

@@ -16,7 +16,8 @@ state and raised by :meth:`BatchedPolicy.check`.
 ``input``: observe_evict 0 probs, 1 head scores, 2 logits (queries + LSE and
 key norms have their own ops, which read the cache);
 prefill 0 probs, 1 column sums, 2 queries, 3 none, 4 key norms (also its own
-op, prefill_key_norms). ``base``: 0 natural, 1 base 2.
+op, prefill_key_norms); prefill_snapkv 0 window probs, 1 window logits + LSE,
+2 window queries + LSE. ``base``: 0 natural, 1 base 2. ``pooling``: 0 max, 1 mean.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ __all__ = [
     "observe_evict_key_norms",
     "prefill",
     "prefill_key_norms",
+    "prefill_snapkv",
     "append_tokens",
     "evict_to",
     "evict_to_moves",
@@ -222,18 +224,22 @@ def prefill(
 
 
 def _prefill(state, desc, lengths, max_length, input, x, lse, scale, base, k_cache, v_cache, page_table, layout,
-             active):
+             active, snap=None):
+    """snap None: _ext.prefill; else (pool_width, pooling): _ext.prefill_snapkv."""
     d = _descriptor(desc)
     reclaimable = torch.zeros(desc[1], dtype=torch.int32, device=state.device)
+    call = _ext.prefill if snap is None else _ext.prefill_snapkv
+    params = () if snap is None else tuple(snap)
+
     def args():  # DLPack capsules are used once: fresh ones per call
-        return (d, _a(state), _a(lengths), max_length, input, _a(x), _a(lse), scale, base, layout, _a(k_cache),
-                _a(v_cache), _a(page_table), _a(reclaimable), _a(active))
+        return (d, _a(state), _a(lengths), max_length, input, _a(x), _a(lse), scale, base, *params, layout,
+                _a(k_cache), _a(v_cache), _a(page_table), _a(reclaimable), _a(active))
 
     workspace = None
     if state.is_cuda:  # the launcher's workspace, sized by a query first
-        nbytes = _ext.prefill(*args(), None, _stream(state))
+        nbytes = call(*args(), None, _stream(state))
         workspace = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=state.device)
-    _ext.prefill(*args(), _a(workspace), _stream(state))
+    call(*args(), _a(workspace), _stream(state))
     return reclaimable
 
 
@@ -264,6 +270,42 @@ def prefill_key_norms(
 
 @prefill_key_norms.register_fake
 def _(state, desc, lengths, max_length, k_cache, v_cache, page_table, layout, active=None):
+    return state.new_empty((desc[1],), dtype=torch.int32)
+
+
+@custom_op("kvevict::prefill_snapkv", mutates_args=("state", "k_cache", "v_cache"), device_types=("cpu", "cuda"))
+def prefill_snapkv(
+    state: Tensor,
+    desc: List[int],
+    lengths: Tensor,
+    max_length: int,
+    input: int,
+    x: Tensor,
+    lse: Optional[Tensor],
+    scale: float,
+    base: int,
+    pool_width: int,
+    pooling: int,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    page_table: Optional[Tensor],
+    layout: int,
+    active: Optional[Tensor] = None,
+) -> Tensor:
+    """Batched SnapKV prefill compression (h2o): each prompt scored by the
+    attention of its last ``window`` rows, ``window = x.shape[2]``; input 0
+    window probs [B, Hq, window, >= max_length], 1 window logits (same
+    shape) with ``lse`` [B, Hq, window], 2 window queries [B, Hq, window,
+    head_dim] with ``lse``; pooling 0 max, 1 mean over ``pool_width``
+    (odd) positions. Returns the reclaimable trailing pages per sequence,
+    int32 [B]."""
+    return _prefill(state, desc, lengths, max_length, input, x, lse, scale, base, k_cache, v_cache, page_table,
+                    layout, active, (pool_width, pooling))
+
+
+@prefill_snapkv.register_fake
+def _(state, desc, lengths, max_length, input, x, lse, scale, base, pool_width, pooling, k_cache, v_cache, page_table,
+      layout, active=None):
     return state.new_empty((desc[1],), dtype=torch.int32)
 
 

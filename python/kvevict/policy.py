@@ -30,7 +30,7 @@ import numpy as np
 from . import _ext
 from ._arrays import for_ext, is_torch
 from .cache import LAYOUT_CODES, CacheView, Layout
-from .config import ExactGreedyConfig, PolicyConfig, descriptor_values
+from .config import ExactGreedyConfig, PolicyConfig, SnapKV, descriptor_values
 
 LseBase = Literal["natural", "base2"]
 _BASES = {"natural": 0, "base2": 1}
@@ -365,7 +365,8 @@ class BatchedPolicy:
         the largest length; give it for CUDA lengths to avoid a sync).
         Returns int32 [num_seqs]: trailing pages of a paged prompt no longer
         needed. exact_greedy has no batched prefill. Scored by the norms of
-        the prompt's cached keys instead: :meth:`prefill_key_norms`.
+        the prompt's cached keys instead: :meth:`prefill_key_norms`; by the
+        attention of the prompt's last rows (SnapKV): :meth:`prefill_snapkv`.
         """
         given = [n for n, x in (("probs", probs), ("column_sums", column_sums), ("queries", queries)) if x is not None]
         if len(given) > 1:
@@ -442,6 +443,91 @@ class BatchedPolicy:
         _ext.prefill(
             self._desc, for_ext(self.state), for_ext(lengths), int(max_length), 4, None, None, 1.0, 0, cache._code,
             cache._ext_k(), cache._ext_v(), for_ext(cache.page_table), for_ext(reclaimable), for_ext(active), None, 0,
+        )  # fmt: skip
+        return reclaimable
+
+    def prefill_snapkv(
+        self,
+        lengths: Any,
+        *,
+        cache: CacheView,
+        snap: SnapKV,
+        probs: Any = None,
+        logits: Any = None,
+        queries: Any = None,
+        lse: Any = None,
+        scale: float = 1.0,
+        base: LseBase = "natural",
+        max_length: Optional[int] = None,
+        active: Any = None,
+    ) -> Any:
+        """:meth:`prefill` scored by SnapKV (:class:`SnapKV`): each prompt by
+        the attention of its last ``snap.window`` rows only (window row ``r``
+        of sequence ``b`` is prompt row ``lengths[b] - window + r``), pooled
+        along positions; h2o keeps the first ``sinks``, the last
+        ``max(recent, window)`` positions and the top of the rest by
+        (score, position) (the newer on a tie), and the kept K and V rows
+        move in position order to slots ``[0, kept)``. Exactly one input:
+
+        - ``probs`` float32 [num_seqs, num_q_heads, window, >= M]: the window
+          rows' attention probabilities (columns past a row's own position
+          are not read);
+        - ``logits`` float32 [num_seqs, num_q_heads, window, >= M] with
+          ``lse`` float32 [num_seqs, num_q_heads, window]: probability
+          ``exp(logit * scale - lse)``;
+        - ``queries`` [num_seqs, num_q_heads, window, head_dim] (float32 or
+          the cache's dtype) with ``lse``: the logits recomputed from the
+          cached keys.
+
+        ``base``: ``"natural"`` LSE (FlashAttention) or ``"base2"``
+        (FlashInfer). ``M = max_length`` as in :meth:`prefill`. Only a
+        policy that keeps by score (h2o, its TOVA and key-norm configs
+        included) accepts it; the others raise :class:`InvalidArgument`.
+        Parameters are checked first (``in.snap.window`` within the budget
+        beside the sinks and at most ``M``, ``in.snap.pool_width`` odd and
+        positive): nothing changes when one is refused. A prompt shorter
+        than the window (:class:`OutOfRange`) or a NaN / infinite / negative
+        input leaves its sequence unchanged while the rest of the batch is
+        compressed, and raises the lowest offender (on CUDA, at
+        :meth:`check`). Returns int32 [num_seqs]: trailing pages of a paged
+        prompt no longer needed. On CUDA it runs on torch's current stream.
+        """
+        given = [n for n, x in (("probs", probs), ("logits", logits), ("queries", queries)) if x is not None]
+        if len(given) != 1:
+            raise _ext.InvalidArgument(
+                "kvevict.prefill_snapkv: pass exactly one of 'probs', 'logits', 'queries' "
+                f"(got {', '.join(given) or 'none'})"
+            )
+        if not isinstance(snap, SnapKV):
+            raise _ext.InvalidArgument(
+                f"kvevict.prefill_snapkv: argument 'snap' is a {type(snap).__name__}, expected SnapKV"
+            )
+        if not isinstance(cache, CacheView):
+            raise _ext.InvalidArgument(
+                "kvevict.prefill_snapkv: argument 'cache' must be a CacheView (K and V: the kept rows move)"
+            )
+        kind, x = (0, probs) if probs is not None else (1, logits) if logits is not None else (2, queries)
+        if kind and lse is None:
+            raise _ext.InvalidArgument(f"kvevict.prefill_snapkv: argument 'lse' is required with '{given[0]}'")
+        if kind == 0 and lse is not None:
+            raise _ext.InvalidArgument("kvevict.prefill_snapkv: argument 'lse' goes with 'logits' or 'queries'")
+        snap._require_rows("prefill_snapkv", given[0], x, 2)
+        pool_width, pooling = snap._codes()
+        base_code = _base_code(base)
+        lengths = self._array(lengths, np.int32)
+        if max_length is None:
+            max_length = int(lengths.max()) if len(lengths) else 0
+        active = self._active(active)
+        if self._compiling() or self._cuda:
+            return self._ops().prefill_snapkv(
+                self.state, self.descriptor, lengths, int(max_length), kind, x, lse, float(scale), base_code,
+                pool_width, pooling, cache.k, cache.v, cache.page_table, cache._code, active,
+            )  # fmt: skip
+        reclaimable = self._new_int32((self.num_seqs,), 0)
+        _ext.prefill_snapkv(
+            self._desc, for_ext(self.state), for_ext(lengths), int(max_length), kind, for_ext(x), for_ext(lse),
+            float(scale), base_code, pool_width, pooling, cache._code, cache._ext_k(), cache._ext_v(),
+            for_ext(cache.page_table), for_ext(reclaimable), for_ext(active), None, 0,
         )  # fmt: skip
         return reclaimable
 

@@ -1,8 +1,8 @@
 """SequencePolicy: the per-sequence host API (``h2o_policy`` and friends).
 
 One call per sequence, each checked before it changes anything, over the
-slot table only (the caller moves K/V rows), but for ``prefill_key_norms``,
-which compacts the kept K/V rows itself. Engines that step sequences one
+slot table only (the caller moves K/V rows), but for ``prefill_key_norms``
+and ``prefill_snapkv``, which compact the kept K/V rows themselves. Engines that step sequences one
 at a time on the CPU use it; the tests use it as the reference the batched
 paths and the transformers cache are checked against.
 """
@@ -16,7 +16,8 @@ import numpy as np
 from . import _ext
 from ._arrays import for_ext
 from .cache import LAYOUT_CODES, CacheView
-from .config import ExactGreedyConfig, H2OConfig, RandomConfig, RecentWindowConfig
+from .config import ExactGreedyConfig, H2OConfig, RandomConfig, RecentWindowConfig, SnapKV
+from .policy import _base_code
 
 _REDUCE = {"sum": 0, "mean": 1, "max": 2}
 
@@ -25,8 +26,9 @@ class SequencePolicy:
     """A per-sequence policy (host): ``append(b)``, ``observe_*(b, ...)``
     (``observe_key_norms`` reads the caller's K buffer),
     ``evict(b)``, ``prefill_column_sums(b, L, sums)``,
-    ``prefill_key_norms(b, L, k_cache, v_cache)`` (compacts the K/V rows),
-    ``reset(b)``, and copies
+    ``prefill_key_norms(b, L, k_cache, v_cache)`` and
+    ``prefill_snapkv(b, L, k_cache, v_cache, snap=, probs=|logits=|queries=)``
+    (h2o; both compact the K/V rows), ``reset(b)``, and copies
     of the slot table (``positions()``, ``counts()``, ``scores()``).
 
     exact_greedy is not offered here: its per-sequence API needs the cache
@@ -112,14 +114,76 @@ class SequencePolicy:
         norms between stay (the newer on a tie), and their K and V rows move
         in position order to slots [0, kept). h2o takes it only with decay 0
         (:meth:`H2OConfig.key_norm`). Returns ``(kept, reclaimable_pages)``."""
+        return tuple(self._p.prefill_key_norms(b, length, *self._cache_args(k_cache, v_cache, layout, page_table)))
+
+    def prefill_snapkv(
+        self,
+        b: int,
+        length: int,
+        k_cache: Any,
+        v_cache: Any = None,
+        layout: Optional[str] = None,
+        page_table: Any = None,
+        *,
+        snap: SnapKV,
+        probs: Any = None,
+        logits: Any = None,
+        queries: Any = None,
+        lse: Any = None,
+        scale: float = 1.0,
+        base: str = "natural",
+    ) -> Tuple[int, int]:
+        """SnapKV prompt compression of sequence b (h2o; the C++
+        ``h2o_policy::prefill`` with ``window_probs`` / ``window_logits`` /
+        ``window_queries``): its prompt of ``length`` tokens sits in slots
+        [0, length) of the cache (the whole batch's K and V buffers in
+        ``layout``, default ``"bhsd"``, or a :class:`CacheView` in place of
+        ``k_cache``) and is scored by its last ``snap.window`` rows'
+        attention, pooled (:class:`SnapKV`); the first ``sinks``, the last
+        ``max(recent, window)`` and the top of the rest by (score, position)
+        stay, their K and V rows moved in position order to slots [0, kept).
+        Exactly one input: ``probs`` float32 [num_q_heads, window, >=
+        length]; ``logits`` float32 [num_q_heads, window, >= length] with
+        ``lse`` float32 [num_q_heads, window]; ``queries`` [num_q_heads,
+        window, head_dim] (float32 or the cache's dtype) with ``lse``.
+        Checked before anything changes (a prompt shorter than the window is
+        :class:`OutOfRange`). Returns ``(kept, reclaimable_pages)``."""
+        given = [n for n, x in (("probs", probs), ("logits", logits), ("queries", queries)) if x is not None]
+        if len(given) != 1:
+            raise _ext.InvalidArgument(
+                "kvevict.SequencePolicy.prefill_snapkv: pass exactly one of 'probs', 'logits', 'queries' "
+                f"(got {', '.join(given) or 'none'})"
+            )
+        if not isinstance(snap, SnapKV):
+            raise _ext.InvalidArgument(
+                f"kvevict.SequencePolicy.prefill_snapkv: argument 'snap' is a {type(snap).__name__}, expected SnapKV"
+            )
+        kind, x = (0, probs) if probs is not None else (1, logits) if logits is not None else (2, queries)
+        if kind and lse is None:
+            raise _ext.InvalidArgument(
+                f"kvevict.SequencePolicy.prefill_snapkv: argument 'lse' is required with '{given[0]}'"
+            )
+        if kind == 0 and lse is not None:
+            raise _ext.InvalidArgument(
+                "kvevict.SequencePolicy.prefill_snapkv: argument 'lse' goes with 'logits' or 'queries'"
+            )
+        snap._require_rows("SequencePolicy.prefill_snapkv", given[0], x, 1)
+        pool_width, pooling = snap._codes()
+        base_code = _base_code(base)
+        code, k, v, table = self._cache_args(k_cache, v_cache, layout, page_table)
+        return tuple(self._p.prefill_snapkv(b, length, kind, for_ext(x), for_ext(lse), float(scale), base_code,
+                                            pool_width, pooling, code, k, v, table))  # fmt: skip
+
+    def _cache_args(
+        self, k_cache: Any, v_cache: Any, layout: Optional[str], page_table: Any
+    ) -> Tuple[int, Any, Any, Any]:
+        """(layout code, K, V, page table) for the extension, from a CacheView or the arrays."""
         if isinstance(k_cache, CacheView):
             if v_cache is not None or layout is not None or page_table is not None:
                 raise _ext.InvalidArgument(
                     "kvevict.SequencePolicy: argument 'v_cache'/'layout'/'page_table' come from the CacheView"
                 )
-            view = k_cache
-            return tuple(self._p.prefill_key_norms(b, length, view._code, view._ext_k(), view._ext_v(),
-                                                   for_ext(view.page_table)))  # fmt: skip
+            return k_cache._code, k_cache._ext_k(), k_cache._ext_v(), for_ext(k_cache.page_table)
         if v_cache is None:
             raise _ext.InvalidArgument("kvevict.SequencePolicy: argument 'v_cache' is required (the kept rows move)")
         layout = "bhsd" if layout is None else layout
@@ -127,8 +191,7 @@ class SequencePolicy:
             raise _ext.InvalidArgument(
                 f"kvevict.SequencePolicy: argument 'layout' = {layout!r} is not one of {', '.join(LAYOUT_CODES)}"
             )
-        return tuple(self._p.prefill_key_norms(b, length, LAYOUT_CODES[layout], for_ext(k_cache), for_ext(v_cache),
-                                               for_ext(page_table)))  # fmt: skip
+        return LAYOUT_CODES[layout], for_ext(k_cache), for_ext(v_cache), for_ext(page_table)
 
     def reset(self, b: int) -> None:
         self._p.reset(b)

@@ -524,18 +524,24 @@ any_array parse_rows(nb::handle obj, const any_cache& cache, const state_ref& st
   return to_any(a, t);
 }
 
-/// Queries of rank R: float32 or the cache's type.
+/// Queries of rank R on `dev`: float32 or the cache's type.
 template <std::size_t R>
-any_array parse_queries(nb::handle obj, const any_cache& cache, const state_ref& st, const char* call,
+any_array parse_queries(nb::handle obj, const any_cache& cache, const device& dev, const char* call,
                         const char* dims) {
   const in_array a = as_array<in_array>(obj, call, "queries");
-  require_device(a, st.dev, call, "queries");
+  require_device(a, dev, call, "queries");
   require_rank(a, R, call, "queries", dims);
   const elem t = elem_of(a, call, "queries");
   if (t != elem::f32 && t != cache.type)
     fail_arg(call, "queries", concat("has dtype ", elem_name(t), ", expected float32 or the cache's ",
                                      elem_name(cache.type)));
   return to_any(a, t);
+}
+
+template <std::size_t R>
+any_array parse_queries(nb::handle obj, const any_cache& cache, const state_ref& st, const char* call,
+                        const char* dims) {
+  return parse_queries<R>(obj, cache, st.dev, call, dims);
 }
 
 kvevict::lse_base parse_base(std::int32_t base, const char* call) {
@@ -775,21 +781,25 @@ void evict_to_moves(const Descriptor& desc, nb::handle memory, std::int32_t targ
                        cuda::evict_to_moves(st.view, active, target, moves, counts, st.status, stream_of(stream)));
 }
 
-/// Batched prefill. input: 0 probs [B][Hq][M][M], 1 column sums [B][Hq][M],
-/// 2 queries [B][Hq][M][D] with lse [B][Hq][M], 3 none, 4 the norms of the
-/// cached keys (x None; kvevict::key_norms over the cache). On CUDA with
-/// workspace None it only returns the workspace bytes; otherwise 0.
-std::size_t prefill(const Descriptor& desc, nb::handle memory, nb::handle lengths_obj, std::int32_t max_length,
-                    std::int32_t input, nb::handle x_obj, nb::handle lse_obj, float scale, std::int32_t base_code,
-                    std::int32_t layout, nb::handle k, nb::handle v, nb::handle page_table,
-                    nb::handle reclaimable_obj, nb::handle active_obj, nb::handle workspace_obj,
-                    std::uintptr_t stream) {
+/// SnapKV's parameters for an input whose window rows are `rows`: the
+/// window is that extent, pooling kvevict::snap_pooling's code. The library
+/// validates them (require_snap_window, with its own argument names); only
+/// a code that does not fit the enum's byte is refused here.
+kvevict::snap_window parse_snap(std::int32_t rows, std::int32_t pool_width, std::int32_t pooling, const char* call) {
+  if (pooling < 0 || pooling > 255)
+    fail_arg(call, "in.snap.pooling", concat("= ", pooling, " is not a snap_pooling (0 max, 1 mean)"));
+  return {rows, pool_width, static_cast<kvevict::snap_pooling>(pooling)};
+}
+
+/// Batched prefill of any input kind (see prefill and prefill_snapkv);
+/// `pool_width` and `pooling` are read by the window_* kinds only.
+std::size_t run_prefill(const Descriptor& desc, nb::handle memory, nb::handle lengths_obj, std::int32_t max_length,
+                        prefill_input kind, nb::handle x_obj, nb::handle lse_obj, float scale,
+                        std::int32_t base_code, std::int32_t pool_width, std::int32_t pooling, std::int32_t layout,
+                        nb::handle k, nb::handle v, nb::handle page_table, nb::handle reclaimable_obj,
+                        nb::handle active_obj, nb::handle workspace_obj, std::uintptr_t stream) {
   const char* call = "prefill";
   const state_ref st = resolve_state(desc, memory, call);
-  if (input < 0 || input > 4)
-    fail_arg(call, "input",
-             concat("= ", input, " is not 0 (probs), 1 (column_sums), 2 (queries), 3 (none) or 4 (key norms)"));
-  const auto kind = static_cast<prefill_input>(input);
   const any_cache cache = parse_cache(layout, k, v, page_table, st, call);
   const kvevict::active_set active = parse_active(active_obj, st, call);
   const in_array lengths = as_array<in_array>(lengths_obj, call, "lengths");
@@ -804,6 +814,9 @@ std::size_t prefill(const Descriptor& desc, nb::handle memory, nb::handle length
                                            "reclaimable_pages");
   any_array x;
   kvevict::tensor_view<const float, 3> lse;
+  auto require_lse = [&](const char* with) {
+    if (lse_obj.is_none()) fail_arg(call, "lse", concat("is required with ", with));
+  };
   switch (kind) {
     case prefill_input::probs:
       x = float_array<4>(x_obj, st.dev, call, "probs", "[num_seqs][num_q_heads][max_length][max_length]");
@@ -812,21 +825,36 @@ std::size_t prefill(const Descriptor& desc, nb::handle memory, nb::handle length
       x = float_array<3>(x_obj, st.dev, call, "column_sums", "[num_seqs][num_q_heads][max_length]");
       break;
     case prefill_input::queries:
-      x = parse_queries<4>(x_obj, cache, st, call, "[num_seqs][num_q_heads][max_length][head_dim]");
+      x = parse_queries<4>(x_obj, cache, st.dev, call, "[num_seqs][num_q_heads][max_length][head_dim]");
       lse = float_input<3>(lse_obj, st.dev, call, "lse", "[num_seqs][num_q_heads][max_length]");
       break;
     case prefill_input::none:
     case prefill_input::key_norms: break;
+    case prefill_input::window_probs:
+      x = float_array<4>(x_obj, st.dev, call, "probs", "[num_seqs][num_q_heads][window][>= max_length]");
+      break;
+    case prefill_input::window_logits:
+      x = float_array<4>(x_obj, st.dev, call, "logits", "[num_seqs][num_q_heads][window][>= max_length]");
+      require_lse("logits");
+      lse = float_input<3>(lse_obj, st.dev, call, "lse", "[num_seqs][num_q_heads][window]");
+      break;
+    case prefill_input::window_queries:
+      x = parse_queries<4>(x_obj, cache, st.dev, call, "[num_seqs][num_q_heads][window][head_dim]");
+      require_lse("queries");
+      lse = float_input<3>(lse_obj, st.dev, call, "lse", "[num_seqs][num_q_heads][window]");
+      break;
   }
   const kvevict::lse_base base = parse_base(base_code, call);
+  const kvevict::snap_window snap =
+      is_window(kind) ? parse_snap(x.extents[2], pool_width, pooling, call) : kvevict::snap_window{};
 #ifdef KVEVICT_PY_CUDA
   if (st.dev.cuda()) {
     if (workspace_obj.is_none())
-      return cuda::prefill(nullptr, 0, st.view, active, prompts, kind, x, lse, scale, base, cache, reclaimable,
+      return cuda::prefill(nullptr, 0, st.view, active, prompts, kind, x, lse, scale, base, snap, cache, reclaimable,
                            st.status, stream_of(stream));
     out_array ws = as_array<out_array>(workspace_obj, call, "workspace");
     require_device(ws, st.dev, call, "workspace");
-    return cuda::prefill(ws.data(), ws.nbytes(), st.view, active, prompts, kind, x, lse, scale, base, cache,
+    return cuda::prefill(ws.data(), ws.nbytes(), st.view, active, prompts, kind, x, lse, scale, base, snap, cache,
                          reclaimable, st.status, stream_of(stream));
   }
 #endif
@@ -834,6 +862,7 @@ std::size_t prefill(const Descriptor& desc, nb::handle memory, nb::handle length
   (void)stream;
   run_host(st, call, [&] {
     visit_cache(cache, [&](auto view) {
+      using T = typename decltype(view)::element_type;
       switch (kind) {
         case prefill_input::probs:
           return kvevict::batched_prefill(st.view, active, prompts, kvevict::batch_prefill_probs{x.view<float, 4>()},
@@ -849,7 +878,6 @@ std::size_t prefill(const Descriptor& desc, nb::handle memory, nb::handle length
           return kvevict::batched_prefill(st.view, active, prompts, in, reclaimable, st.status);
         }
         case prefill_input::queries: {
-          using T = typename decltype(view)::element_type;
           if (x.type == elem::f32)
             return kvevict::batched_prefill(st.view, active, prompts,
                                             kvevict::batch_prefill_queries<float>{x.view<float, 4>(), lse, scale, base},
@@ -858,10 +886,66 @@ std::size_t prefill(const Descriptor& desc, nb::handle memory, nb::handle length
                                           kvevict::batch_prefill_queries<T>{x.view<T, 4>(), lse, scale, base}, view,
                                           reclaimable, st.status);
         }
+        case prefill_input::window_probs:
+          return kvevict::batched_prefill(st.view, active, prompts,
+                                          kvevict::batch_window_probs{x.view<float, 4>(), snap}, view, reclaimable,
+                                          st.status);
+        case prefill_input::window_logits:
+          return kvevict::batched_prefill(st.view, active, prompts,
+                                          kvevict::batch_window_logits{x.view<float, 4>(), lse, scale, base, snap},
+                                          view, reclaimable, st.status);
+        case prefill_input::window_queries: {
+          if (x.type == elem::f32)
+            return kvevict::batched_prefill(
+                st.view, active, prompts,
+                kvevict::batch_window_queries<float>{x.view<float, 4>(), lse, scale, base, snap}, view, reclaimable,
+                st.status);
+          return kvevict::batched_prefill(st.view, active, prompts,
+                                          kvevict::batch_window_queries<T>{x.view<T, 4>(), lse, scale, base, snap},
+                                          view, reclaimable, st.status);
+        }
       }
     });
   });
   return 0;
+}
+
+/// Batched prefill. input: 0 probs [B][Hq][M][M], 1 column sums [B][Hq][M],
+/// 2 queries [B][Hq][M][D] with lse [B][Hq][M], 3 none, 4 the norms of the
+/// cached keys (x None; kvevict::key_norms over the cache). On CUDA with
+/// workspace None it only returns the workspace bytes; otherwise 0.
+std::size_t prefill(const Descriptor& desc, nb::handle memory, nb::handle lengths_obj, std::int32_t max_length,
+                    std::int32_t input, nb::handle x_obj, nb::handle lse_obj, float scale, std::int32_t base_code,
+                    std::int32_t layout, nb::handle k, nb::handle v, nb::handle page_table,
+                    nb::handle reclaimable_obj, nb::handle active_obj, nb::handle workspace_obj,
+                    std::uintptr_t stream) {
+  if (input < 0 || input > 4)
+    fail_arg("prefill", "input",
+             concat("= ", input, " is not 0 (probs), 1 (column_sums), 2 (queries), 3 (none) or 4 (key norms)"));
+  return run_prefill(desc, memory, lengths_obj, max_length, static_cast<prefill_input>(input), x_obj, lse_obj, scale,
+                     base_code, 0, 0, layout, k, v, page_table, reclaimable_obj, active_obj, workspace_obj, stream);
+}
+
+/// SnapKV prefill (kvevict/batch/prefill_window.hpp): the prompts scored by
+/// the attention of their last `window` rows. input: 0 probs
+/// [B][Hq][window][>= M], 1 logits [B][Hq][window][>= M] with lse
+/// [B][Hq][window], 2 queries [B][Hq][window][D] with lse [B][Hq][window];
+/// the window is the input's extent in dimension 2; pooling 0 max, 1 mean.
+/// Workspace and return value as prefill.
+std::size_t prefill_snapkv(const Descriptor& desc, nb::handle memory, nb::handle lengths_obj,
+                           std::int32_t max_length, std::int32_t input, nb::handle x_obj, nb::handle lse_obj,
+                           float scale, std::int32_t base_code, std::int32_t pool_width, std::int32_t pooling,
+                           std::int32_t layout, nb::handle k, nb::handle v, nb::handle page_table,
+                           nb::handle reclaimable_obj, nb::handle active_obj, nb::handle workspace_obj,
+                           std::uintptr_t stream) {
+  if (input < 0 || input > 2)
+    fail_arg("prefill", "input",
+             concat("= ", input, " is not 0 (window probs), 1 (window logits) or 2 (window queries)"));
+  const prefill_input kind = input == 0   ? prefill_input::window_probs
+                             : input == 1 ? prefill_input::window_logits
+                                          : prefill_input::window_queries;
+  return run_prefill(desc, memory, lengths_obj, max_length, kind, x_obj, lse_obj, scale, base_code, pool_width,
+                     pooling, layout, k, v, page_table, reclaimable_obj, active_obj, workspace_obj, stream);
 }
 
 std::uint64_t status_word(const Descriptor& desc, nb::handle memory, std::uintptr_t stream) {
@@ -1026,6 +1110,61 @@ class SequencePolicy {
       return std::pair<std::int32_t, std::int32_t>{r.kept, r.reclaimable_pages};
     });
   }
+  /// SnapKV prefill of sequence b's prompt in slots [0, length) of the
+  /// cache (k, v in `layout`): input 0 probs [Hq][window][>= length], 1
+  /// logits [Hq][window][>= length] with lse [Hq][window], 2 queries
+  /// [Hq][window][head_dim] with lse [Hq][window]; the window is the
+  /// input's extent in dimension 1, pooling 0 max, 1 mean. The kept rows
+  /// move to slots [0, kept). Returns (kept, reclaimable_pages). Only
+  /// h2o_policy has it; the others are refused by the library's own check.
+  std::pair<std::int32_t, std::int32_t> prefill_snapkv(std::int32_t b, std::int32_t length, std::int32_t which,
+                                                       nb::handle x_obj, nb::handle lse_obj, float scale,
+                                                       std::int32_t base_code, std::int32_t pool_width,
+                                                       std::int32_t pooling, std::int32_t layout, nb::handle k,
+                                                       nb::handle v, nb::handle page_table) {
+    const char* call = "prefill";
+    if (which < 0 || which > 2)
+      fail_arg(call, "input",
+               concat("= ", which, " is not 0 (window probs), 1 (window logits) or 2 (window queries)"));
+    const any_cache cache = parse_cache(layout, k, v, page_table, device{}, p_.shape().capacity, call);
+    any_array x;
+    kvevict::tensor_view<const float, 2> lse;
+    if (which == 2) {
+      x = parse_queries<3>(x_obj, cache, device{}, call, "[num_q_heads][window][head_dim]");
+    } else {
+      x = float_array<3>(x_obj, device{}, call, which == 0 ? "probs" : "logits", "[num_q_heads][window][>= length]");
+    }
+    if (which != 0) {
+      if (lse_obj.is_none()) fail_arg(call, "lse", which == 1 ? "is required with logits" : "is required with queries");
+      lse = float_input<2>(lse_obj, device{}, call, "lse", "[num_q_heads][window]");
+    }
+    const kvevict::lse_base base = parse_base(base_code, call);
+    const kvevict::snap_window snap = parse_snap(x.extents[1], pool_width, pooling, call);
+    if constexpr (std::is_same_v<Policy, kvevict::h2o_policy>) {
+      return visit_cache(cache, [&](auto view) {
+        using T = typename decltype(view)::element_type;
+        kvevict::prefill_result r;
+        if (which == 0) {
+          r = p_.prefill(b, length, kvevict::window_probs{x.view<float, 3>(), snap}, view);
+        } else if (which == 1) {
+          r = p_.prefill(b, length, kvevict::window_logits{x.view<float, 3>(), lse, scale, base, snap}, view);
+        } else if (x.type == elem::f32) {
+          r = p_.prefill(b, length, kvevict::window_queries<float>{x.view<float, 3>(), lse, scale, base, snap}, view);
+        } else {
+          r = p_.prefill(b, length, kvevict::window_queries<T>{x.view<T, 3>(), lse, scale, base, snap}, view);
+        }
+        return std::pair<std::int32_t, std::int32_t>{r.kept, r.reclaimable_pages};
+      });
+    } else {
+      (void)scale;
+      (void)base;
+      (void)b;
+      (void)length;
+      // The library's refusal of a policy that does not keep by score.
+      kvevict::detail::require_snap_window(site{"python", call}, "in.snap", snap, p_.rule());
+      fail_arg(call, "in.snap", "asks for SnapKV scores, which only h2o uses");
+    }
+  }
   void reset(std::int32_t b) { p_.reset(b); }
   std::int32_t length(std::int32_t b) const { return p_.length(b); }
   std::int32_t budget() const { return p_.budget(); }
@@ -1101,6 +1240,12 @@ void bind_sequence_policy(nb::module_& m, const char* name, const char* doc, Mak
            "page_table"_a.none() = nb::none(),
            "Compresses the prompt in slots [0, length) by its key norms, moving the kept K/V rows to slots [0, kept); "
            "returns (kept, reclaimable_pages).")
+      .def("prefill_snapkv", &S::prefill_snapkv, "b"_a, "length"_a, "input"_a, "x"_a, "lse"_a.none(), "scale"_a,
+           "base"_a, "pool_width"_a, "pooling"_a, "layout"_a, "k_cache"_a, "v_cache"_a,
+           "page_table"_a.none() = nb::none(),
+           "SnapKV prefill (h2o): the prompt in slots [0, length) scored by its last `window` rows' attention "
+           "(input 0 probs, 1 logits + lse, 2 queries + lse), pooled; the kept K/V rows move to slots [0, kept). "
+           "Returns (kept, reclaimable_pages).")
       .def("prefill_column_sums", &S::prefill_column_sums, "b"_a, "length"_a, "column_sums"_a,
            "Prefill compression of the slot table only (no K/V moved); returns the tokens kept per head.")
       .def("reset", &S::reset, "b"_a)
@@ -1197,6 +1342,10 @@ NB_MODULE(_ext, m) {
   m.def("prefill", &prefill, "desc"_a, "state"_a, "lengths"_a, "max_length"_a, "input"_a, "x"_a.none(),
         "lse"_a.none(), "scale"_a, "base"_a, "layout"_a, "k_cache"_a, "v_cache"_a, "page_table"_a.none(),
         "reclaimable_pages"_a.none(), "active"_a = none, "workspace"_a = none, "stream"_a = 0);
+  m.def("prefill_snapkv", &prefill_snapkv, "desc"_a, "state"_a, "lengths"_a, "max_length"_a, "input"_a, "x"_a,
+        "lse"_a.none(), "scale"_a, "base"_a, "pool_width"_a, "pooling"_a, "layout"_a, "k_cache"_a, "v_cache"_a,
+        "page_table"_a.none(), "reclaimable_pages"_a.none(), "active"_a = none, "workspace"_a = none,
+        "stream"_a = 0);
   m.def("status_word", &status_word, "desc"_a, "state"_a, "stream"_a = 0);
   m.def("check", &check, "desc"_a, "state"_a, "stream"_a = 0);
   m.def("state_offsets", &state_offsets, "desc"_a, "state"_a);

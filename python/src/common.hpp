@@ -142,8 +142,23 @@ decltype(auto) visit_queries(const any_array& q, const any_cache& c, F&& f) {
   });
 }
 
-/// The inputs of a batched prefill (key_norms: the cached keys themselves).
-enum class prefill_input : std::int32_t { probs = 0, sums = 1, queries = 2, none = 3, key_norms = 4 };
+/// The inputs of a batched prefill (key_norms: the cached keys themselves;
+/// window_*: SnapKV's observation window, kvevict/policy/snapkv.hpp).
+enum class prefill_input : std::int32_t {
+  probs = 0,
+  sums = 1,
+  queries = 2,
+  none = 3,
+  key_norms = 4,
+  window_probs = 5,
+  window_logits = 6,
+  window_queries = 7,
+};
+
+inline bool is_window(prefill_input kind) noexcept {
+  return kind == prefill_input::window_probs || kind == prefill_input::window_logits ||
+         kind == prefill_input::window_queries;
+}
 
 /// Raised by the CUDA translation units for a failed CUDA runtime call
 /// (kvevict::gpu::cuda_error needs the CUDA headers to name).

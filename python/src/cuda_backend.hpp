@@ -49,12 +49,13 @@ void evict_to_greedy(const batch_state_view& st, const kvevict::active_set& acti
                      void* stream);
 
 /// Batched prefill. workspace == nullptr: returns the workspace bytes the
-/// call needs and enqueues nothing; otherwise runs and returns 0.
+/// call needs and enqueues nothing; otherwise runs and returns 0. `snap`:
+/// SnapKV's parameters, read by the window_* inputs only.
 std::size_t prefill(void* workspace, std::size_t workspace_bytes, const batch_state_view& st,
                     const kvevict::active_set& active, const kvevict::prompt_lengths& prompts, prefill_input kind,
                     const any_array& x, const kvevict::tensor_view<const float, 3>& lse, float scale,
-                    kvevict::lse_base base, const any_cache& cache, std::int32_t* reclaimable, std::uint64_t* status,
-                    void* stream);
+                    kvevict::lse_base base, const kvevict::snap_window& snap, const any_cache& cache,
+                    std::int32_t* reclaimable, std::uint64_t* status, void* stream);
 
 /// Sets the status word to clear (all ones) on `stream`.
 void clear_status(std::uint64_t* status, void* stream);

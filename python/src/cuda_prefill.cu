@@ -1,6 +1,7 @@
 // Batched prefill compression on CUDA, from the causal probabilities, column
-// sums, queries + LSE, the norms of the cached keys, or no scores
-// (recent_window, random).
+// sums, queries + LSE, the norms of the cached keys, no scores
+// (recent_window, random), or SnapKV's observation window (probabilities,
+// logits + LSE, queries + LSE; kvevict/cuda/prefill_window.cuh).
 #include "cuda_backend.hpp"
 #include "cuda_common.cuh"
 
@@ -10,8 +11,8 @@ namespace cuda {
 std::size_t prefill(void* workspace, std::size_t workspace_bytes, const batch_state_view& st,
                     const kvevict::active_set& active, const kvevict::prompt_lengths& prompts, prefill_input kind,
                     const any_array& x, const kvevict::tensor_view<const float, 3>& lse, float scale,
-                    kvevict::lse_base base, const any_cache& cache, std::int32_t* reclaimable, std::uint64_t* status,
-                    void* stream) {
+                    kvevict::lse_base base, const kvevict::snap_window& snap, const any_cache& cache,
+                    std::int32_t* reclaimable, std::uint64_t* status, void* stream) {
   std::size_t bytes = workspace ? workspace_bytes : 0;
   const cudaStream_t s = as_stream(stream);
   auto run = [&](auto view) {
@@ -31,7 +32,16 @@ std::size_t prefill(void* workspace, std::size_t workspace_bytes, const batch_st
         const kvevict::key_norms<typename V::element_type, typename V::layout_type> in{view};
         return kvevict::gpu::batched_prefill(workspace, bytes, st, active, prompts, in, reclaimable, status, s);
       }
-      case prefill_input::queries: break;
+      case prefill_input::window_probs:
+        return kvevict::gpu::batched_prefill(workspace, bytes, st, active, prompts,
+                                             kvevict::batch_window_probs{x.view<float, 4>(), snap}, view,
+                                             reclaimable, status, s);
+      case prefill_input::window_logits:
+        return kvevict::gpu::batched_prefill(workspace, bytes, st, active, prompts,
+                                             kvevict::batch_window_logits{x.view<float, 4>(), lse, scale, base, snap},
+                                             view, reclaimable, status, s);
+      case prefill_input::queries:
+      case prefill_input::window_queries: break;
     }
     return cudaErrorInvalidValue;  // queries go through visit_queries below
   };
@@ -40,6 +50,12 @@ std::size_t prefill(void* workspace, std::size_t workspace_bytes, const batch_st
     e = visit_queries(x, cache, [&](auto qt, auto view) {
       using Q = decltype(qt);
       const kvevict::batch_prefill_queries<Q> in{x.view<Q, 4>(), lse, scale, base};
+      return kvevict::gpu::batched_prefill(workspace, bytes, st, active, prompts, in, view, reclaimable, status, s);
+    });
+  } else if (kind == prefill_input::window_queries) {
+    e = visit_queries(x, cache, [&](auto qt, auto view) {
+      using Q = decltype(qt);
+      const kvevict::batch_window_queries<Q> in{x.view<Q, 4>(), lse, scale, base, snap};
       return kvevict::gpu::batched_prefill(workspace, bytes, st, active, prompts, in, view, reclaimable, status, s);
     });
   } else {
