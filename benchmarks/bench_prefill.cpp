@@ -4,14 +4,16 @@
 // (policy.prefill) and for the whole batch (batched_prefill), from column
 // sums the engine computed or from the causal probability matrix; and
 // SnapKV (the paper's preset: the last 32 rows, max pooling of width 7) from
-// the window rows' probabilities.
+// the window rows' probabilities; and KeyDiff from the cached prompt keys.
 //
 // Baselines: reference_keep_gather, the reference's prompt-time keep written
 // plainly: fold the group's column sums, nth_element for the heavy of the
 // older positions on (score, position) keys, sort the kept positions, and
 // gather their K and V rows into a fresh buffer; reference_snapkv_gather,
 // the same after SnapKV's scoring written plainly (window sums, max pool,
-// group sum), from the same window probabilities as the snapkv rows.
+// group sum), from the same window probabilities as the snapkv rows;
+// reference_key_diff_gather, KeyDiff's cosines to the mean unit key in
+// plain float loops, then the same keep and gather.
 //
 // One item = one (sequence, KV head, prompt token) scored. Bytes = the input
 // read plus the kept K and V rows read and written once (an upper bound of
@@ -40,6 +42,11 @@ struct prompt {
     return sc.heads_total() * budget * 2 * 2 * std::int64_t(sc.head_dim) * std::int64_t(sizeof(T));
   }
   std::int64_t items() const { return sc.slots_total(); }
+  /// The prompt's keys, read once.
+  template <class T>
+  std::int64_t key_bytes() const {
+    return sc.heads_total() * std::int64_t(sc.slots) * sc.head_dim * std::int64_t(sizeof(T));
+  }
 };
 
 template <class T>
@@ -224,6 +231,87 @@ void reference_snapkv_gather(benchmark::State& state, scenario sc, kvbench::keep
   kvbench::report(state, pr.items(), wp.read_bytes() + pr.moved_bytes<T>());
 }
 
+// ---- KeyDiff: the prompt keys in the cache, no attention input ----
+
+template <class T>
+void per_sequence_key_diff(benchmark::State& state, scenario sc, kvbench::keep_fraction keep) {
+  const prompt pr(kvbench::cache_slice(sc, sizeof(T)), keep);
+  h2o_policy policy(pr.shape(), pr.config());
+  auto cache = make_bhsd_cache<T>(pr.sc.seqs, sc.kv_heads, sc.slots, sc.head_dim);
+  cache.k_storage() = kvbench::random_rows<T>(cache.k_storage().size(), 1.0f, 9);
+  const key_diff<T, strided_layout> in{cache.view()};
+  for (auto _ : state)
+    for (std::int32_t b = 0; b < pr.sc.seqs; ++b) {
+      policy.reset(b);
+      benchmark::DoNotOptimize(policy.prefill(b, sc.slots, in));
+    }
+  kvbench::report(state, pr.items(), pr.key_bytes<T>() + pr.moved_bytes<T>());  // the keys read once + the kept rows moved
+}
+
+template <class T>
+void batched_key_diff(benchmark::State& state, scenario sc, kvbench::keep_fraction keep) {
+  const prompt pr(kvbench::cache_slice(sc, sizeof(T)), keep);
+  batched_policy<h2o_policy, device::host> layer(pr.shape(), pr.config());
+  auto cache = make_bhsd_cache<T>(pr.sc.seqs, sc.kv_heads, sc.slots, sc.head_dim);
+  cache.k_storage() = kvbench::random_rows<T>(cache.k_storage().size(), 1.0f, 9);
+  const std::vector<std::int32_t> lengths(std::size_t(pr.sc.seqs), sc.slots);
+  std::uint64_t status = batch_status_clear;
+  for (auto _ : state) {
+    layer.reset(active_set::all());
+    batched_prefill(layer.state(), active_set::all(), prompt_lengths{lengths.data(), sc.slots},
+                    key_diff<T, strided_layout>{cache.view()}, nullptr, &status);
+  }
+  throw_if_error(status, "batched_prefill");
+  kvbench::report(state, pr.items(), pr.key_bytes<T>() + pr.moved_bytes<T>());
+}
+
+/// KeyDiff written plainly (kvpress's KeyDiffPress in loops): unit keys, their
+/// mean, cosines in float, then the keep and gather of reference_keep_gather.
+template <class T>
+void reference_key_diff_gather(benchmark::State& state, scenario sc, kvbench::keep_fraction keep) {
+  const prompt pr(kvbench::cache_slice(sc, sizeof(T)), keep);
+  const std::size_t n = std::size_t(sc.slots), d = std::size_t(sc.head_dim);
+  const std::vector<T> k = kvbench::random_rows<T>(std::size_t(pr.sc.heads_total()) * n * d, 1.0f, 9), v = k;
+  std::vector<T> k2(std::size_t(pr.sc.heads_total()) * pr.budget * d), v2(k2.size());
+  std::vector<float> score(n), norm(n), anchor(d);
+  std::vector<std::int32_t> idx(n);
+  const std::int32_t heavy = pr.budget - kvbench::kRecent, older = sc.slots - kvbench::kRecent;
+  for (auto _ : state) {
+    for (std::int64_t bh = 0; bh < pr.sc.heads_total(); ++bh) {
+      const T* rows = &k[std::size_t(bh) * n * d];
+      std::fill(anchor.begin(), anchor.end(), 0.0f);
+      for (std::size_t j = 0; j < n; ++j) {
+        float sq = 0.0f;
+        for (std::size_t e = 0; e < d; ++e) sq += to_float(rows[j * d + e]) * to_float(rows[j * d + e]);
+        norm[j] = std::sqrt(sq);
+        for (std::size_t e = 0; e < d; ++e) anchor[e] += to_float(rows[j * d + e]) / norm[j];
+      }
+      float alen = 0.0f;
+      for (float a : anchor) alen += a * a;
+      alen = std::sqrt(alen);
+      for (std::size_t j = 0; j < n; ++j) {
+        float dot = 0.0f;
+        for (std::size_t e = 0; e < d; ++e) dot += to_float(rows[j * d + e]) * anchor[e];
+        score[j] = -dot / (norm[j] * alen);
+      }
+      std::iota(idx.begin(), idx.end(), 0);
+      std::nth_element(idx.begin(), idx.begin() + heavy, idx.begin() + older, [&](std::int32_t a, std::int32_t c) {
+        return eviction_key(score[std::size_t(a)], a) > eviction_key(score[std::size_t(c)], c);
+      });
+      std::sort(idx.begin(), idx.begin() + heavy);
+      std::copy(idx.begin() + older, idx.end(), idx.begin() + heavy);
+      for (std::int32_t j = 0; j < pr.budget; ++j) {
+        const std::size_t from = (std::size_t(bh) * n + std::size_t(idx[std::size_t(j)])) * d;
+        const std::size_t to = (std::size_t(bh) * pr.budget + std::size_t(j)) * d;
+        std::copy_n(&k[from], d, &k2[to]);
+        std::copy_n(&v[from], d, &v2[to]);
+      }
+    }
+    benchmark::ClobberMemory();
+  }
+  kvbench::report(state, pr.items(), pr.key_bytes<T>() + pr.moved_bytes<T>());
+}
+
 template <class T>
 void register_dtype(const scenario& sc, const kvbench::keep_fraction& keep) {
   const auto name = [&](const char* method, const char* input) {
@@ -238,6 +326,11 @@ void register_dtype(const scenario& sc, const kvbench::keep_fraction& keep) {
   benchmark::RegisterBenchmark(name("snapkv", "window_probs").c_str(), per_sequence_snapkv<T>, sc, keep)->Unit(unit);
   benchmark::RegisterBenchmark(name("snapkv_batched", "window_probs").c_str(), batched_snapkv<T>, sc, keep)->Unit(unit);
   benchmark::RegisterBenchmark(name("reference_snapkv_gather", "window_probs").c_str(), reference_snapkv_gather<T>, sc,
+                               keep)
+      ->Unit(unit);
+  benchmark::RegisterBenchmark(name("key_diff", "keys").c_str(), per_sequence_key_diff<T>, sc, keep)->Unit(unit);
+  benchmark::RegisterBenchmark(name("key_diff_batched", "keys").c_str(), batched_key_diff<T>, sc, keep)->Unit(unit);
+  benchmark::RegisterBenchmark(name("reference_key_diff_gather", "keys").c_str(), reference_key_diff_gather<T>, sc,
                                keep)
       ->Unit(unit);
 }

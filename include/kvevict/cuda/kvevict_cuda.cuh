@@ -12,6 +12,7 @@
 #include "kvevict/cuda/multi_token.cuh"
 #include "kvevict/cuda/observe_evict.cuh"
 #include "kvevict/cuda/prefill.cuh"
+#include "kvevict/cuda/prefill_key_diff.cuh"
 #include "kvevict/cuda/prefill_window.cuh"
 #include "kvevict/cuda/prefill_compact.cuh"
 #include "kvevict/cuda/prefill_scores.cuh"

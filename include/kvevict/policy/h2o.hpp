@@ -14,10 +14,13 @@
 // between are an exponential moving attention. At prefill the prompt row i
 // of L weighs decay^(L - 1 - i), the same sum the decode steps would give
 // (docs/semantics.md, "Scores").
+#include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "kvevict/error.hpp"
 #include "kvevict/order.hpp"
+#include "kvevict/policy/key_diff.hpp"
 #include "kvevict/policy/policy_base.hpp"
 #include "kvevict/policy/prefill_scores.hpp"
 #include "kvevict/policy/snapkv.hpp"
@@ -103,6 +106,28 @@ class h2o_policy : public policy_base<h2o_policy> {
   }
 
   using policy_base::prefill;
+
+  /// KeyDiff prefill (key_diff.hpp): position p scores -cos(k_p, anchor),
+  /// the anchor the sum of the unit prompt keys of its head; the least
+  /// similar keys are kept beside the sinks and the recent tokens. No
+  /// attention input. Every prompt key must be finite.
+  template <class T, class Layout>
+  prefill_result prefill(std::int32_t b, std::int32_t length, const key_diff<T, Layout>& in) {
+    const detail::site w = where("prefill");
+    require_prefill(w, b, length);
+    detail::require_policy_view(w, shape(), in.cache);
+    require_rows(w, in.cache, b, length, all_columns());
+    std::vector<std::int64_t> sums(std::size_t(in.cache.head_dim));
+    std::vector<float> unit(std::size_t(in.cache.head_dim));
+    for (std::int32_t h = 0; h < shape().num_kv_heads; ++h) {
+      const std::int32_t bad = detail::key_diff_scores(in.cache, b, h, length, sums.data(), unit.data(),
+                                                       scratch_.data() + std::size_t(h) * shape().capacity);
+      if (bad >= 0)
+        detail::fail_state<non_finite_error>(w, "||cache.k||[", h, "][", bad, "] of sequence ", b,
+                                             " is not finite: KeyDiff needs finite prompt keys");
+    }
+    return commit_prefill(w, b, length, &in.cache);
+  }
 
   /// SnapKV prefill (snapkv.hpp): scores from the attention of the last
   /// in.snap.window prompt rows, pooled along positions; the window is kept
