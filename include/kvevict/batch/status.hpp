@@ -66,7 +66,8 @@ inline const char* describe(batch_code code) noexcept {
     case batch_code::bad_stream: return "a random stream exceeds max_random_stream";
     case batch_code::bad_count: return "a selection count or evict_to target does not fit the segment";
     case batch_code::not_empty: return "prefill of a sequence that already holds tokens (reset it first)";
-    case batch_code::bad_length: return "a prompt length is outside [1, capacity]";
+    case batch_code::bad_length:
+      return "a prompt length is outside [1, capacity], above max_length, or shorter than SnapKV's window";
     case batch_code::over_capacity: return "appending these tokens would exceed the capacity";
     case batch_code::not_observed: return "evict_to after an append that was not observed";
     case batch_code::narrow_input:
@@ -112,9 +113,11 @@ inline std::string status_place(const batch_status& s) {
     return concat("at sequence ", s.sequence, ", active-list entry ", s.entry, ": ", describe(s.code),
                   " (that sequence was left unchanged)");
   const char* meaning = status_index_meaning(s.code);
+  // A prompt's length and emptiness are the sequence's: prefill leaves all of it unchanged.
+  const bool whole = s.code == batch_code::bad_length || s.code == batch_code::not_empty;
   return concat("at sequence ", s.sequence, ", head ", s.head, ", index ", s.index,
                 *meaning ? concat(" (", meaning, ")") : std::string(), ": ", describe(s.code),
-                " (that head was left unchanged)");
+                whole ? " (that sequence was left unchanged)" : " (that head was left unchanged)");
 }
 
 }  // namespace detail
