@@ -79,6 +79,15 @@ def prefill(
     workspace None returns the workspace bytes needed and runs nothing;
     otherwise runs and returns 0."""
 
+def prefill_key_diff(
+    desc: Descriptor, state: Array, lengths: Array, max_length: int, layout: int, k_cache: Array, v_cache: Array,
+    page_table: Optional[Array], reclaimable_pages: Optional[Array], active: Optional[Array] = None,
+    workspace: Optional[Array] = None, stream: int = 0,
+) -> int:
+    """KeyDiff prefill (prompts only): position p scores -cos(k_p, the sum of
+    its head's unit prompt keys), read from k_cache alone. Workspace and
+    return value as prefill."""
+
 def prefill_snapkv(
     desc: Descriptor, state: Array, lengths: Array, max_length: int, input: int, x: Array, lse: Optional[Array],
     scale: float, base: int, pool_width: int, pooling: int, layout: int, k_cache: Array, v_cache: Array,
@@ -114,6 +123,11 @@ class _SequencePolicy:
     def prefill_key_norms(
         self, b: int, length: int, layout: int, k_cache: Array, v_cache: Array, page_table: Optional[Array] = None
     ) -> Tuple[int, int]: ...
+    def prefill_key_diff(
+        self, b: int, length: int, layout: int, k_cache: Array, v_cache: Array, page_table: Optional[Array] = None
+    ) -> Tuple[int, int]:
+        """KeyDiff prefill (h2o; the others raise): the prompt scored by
+        -cos(k_p, the sum of its head's unit keys)."""
     def prefill_snapkv(
         self, b: int, length: int, input: int, x: Array, lse: Optional[Array], scale: float, base: int,
         pool_width: int, pooling: int, layout: int, k_cache: Array, v_cache: Array,

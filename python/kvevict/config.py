@@ -28,7 +28,9 @@ class H2OConfig:
     attention``: 1 is H2O's accumulated attention, 0 is TOVA (the current
     query's attention alone, see :meth:`tova`), values between an
     exponential moving attention. Fed key norms instead of attention
-    (:meth:`key_norm`), decay must be 0."""
+    (:meth:`key_norm`), decay must be 0. KeyDiff's prompt compression
+    (:meth:`BatchedPolicy.prefill_key_diff`, prefill only) takes any h2o
+    config: ``heavy`` is then the number of least-similar keys kept."""
 
     heavy: int
     recent: int

@@ -16,7 +16,8 @@ state and raised by :meth:`BatchedPolicy.check`.
 ``input``: observe_evict 0 probs, 1 head scores, 2 logits (queries + LSE and
 key norms have their own ops, which read the cache);
 prefill 0 probs, 1 column sums, 2 queries, 3 none, 4 key norms (also its own
-op, prefill_key_norms); prefill_snapkv 0 window probs, 1 window logits + LSE,
+op, prefill_key_norms); prefill_key_diff takes none (the cached keys alone);
+prefill_snapkv 0 window probs, 1 window logits + LSE,
 2 window queries + LSE. ``base``: 0 natural, 1 base 2. ``pooling``: 0 max, 1 mean.
 """
 
@@ -41,6 +42,7 @@ __all__ = [
     "observe_evict_key_norms",
     "prefill",
     "prefill_key_norms",
+    "prefill_key_diff",
     "prefill_snapkv",
     "append_tokens",
     "evict_to",
@@ -235,12 +237,18 @@ def _prefill(state, desc, lengths, max_length, input, x, lse, scale, base, k_cac
         return (d, _a(state), _a(lengths), max_length, input, _a(x), _a(lse), scale, base, *params, layout,
                 _a(k_cache), _a(v_cache), _a(page_table), _a(reclaimable), _a(active))
 
+    _with_workspace(state, call, args)
+    return reclaimable
+
+
+def _with_workspace(state, call, args):
+    """call(*args(), workspace, stream): on CUDA the launcher's workspace,
+    sized by a query first (a call with workspace None runs nothing)."""
     workspace = None
-    if state.is_cuda:  # the launcher's workspace, sized by a query first
+    if state.is_cuda:
         nbytes = call(*args(), None, _stream(state))
         workspace = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=state.device)
     call(*args(), _a(workspace), _stream(state))
-    return reclaimable
 
 
 @prefill.register_fake
@@ -269,6 +277,39 @@ def prefill_key_norms(
 
 
 @prefill_key_norms.register_fake
+def _(state, desc, lengths, max_length, k_cache, v_cache, page_table, layout, active=None):
+    return state.new_empty((desc[1],), dtype=torch.int32)
+
+
+@custom_op("kvevict::prefill_key_diff", mutates_args=("state", "k_cache", "v_cache"), device_types=("cpu", "cuda"))
+def prefill_key_diff(
+    state: Tensor,
+    desc: List[int],
+    lengths: Tensor,
+    max_length: int,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    page_table: Optional[Tensor],
+    layout: int,
+    active: Optional[Tensor] = None,
+) -> Tensor:
+    """Batched KeyDiff prefill compression (prompts only; no attention
+    input): position p of (sequence, head) scores -cos(k_p, anchor), the
+    anchor the sum of that head's unit prompt keys, so the keys least like
+    the others are kept beside the sinks and the recent window. Any h2o
+    config; returns the reclaimable trailing pages per sequence, int32 [B]."""
+    d = _descriptor(desc)
+    reclaimable = torch.zeros(desc[1], dtype=torch.int32, device=state.device)
+
+    def args():  # DLPack capsules are used once: fresh ones per call
+        return (d, _a(state), _a(lengths), max_length, layout, _a(k_cache), _a(v_cache), _a(page_table),
+                _a(reclaimable), _a(active))
+
+    _with_workspace(state, _ext.prefill_key_diff, args)
+    return reclaimable
+
+
+@prefill_key_diff.register_fake
 def _(state, desc, lengths, max_length, k_cache, v_cache, page_table, layout, active=None):
     return state.new_empty((desc[1],), dtype=torch.int32)
 

@@ -365,8 +365,10 @@ class BatchedPolicy:
         the largest length; give it for CUDA lengths to avoid a sync).
         Returns int32 [num_seqs]: trailing pages of a paged prompt no longer
         needed. exact_greedy has no batched prefill. Scored by the norms of
-        the prompt's cached keys instead: :meth:`prefill_key_norms`; by the
-        attention of the prompt's last rows (SnapKV): :meth:`prefill_snapkv`.
+        the prompt's cached keys instead: :meth:`prefill_key_norms`; by
+        their cosine to their head's mean direction (KeyDiff):
+        :meth:`prefill_key_diff`; by the attention of the prompt's last rows
+        (SnapKV): :meth:`prefill_snapkv`.
         """
         given = [n for n, x in (("probs", probs), ("column_sums", column_sums), ("queries", queries)) if x is not None]
         if len(given) > 1:
@@ -443,6 +445,59 @@ class BatchedPolicy:
         _ext.prefill(
             self._desc, for_ext(self.state), for_ext(lengths), int(max_length), 4, None, None, 1.0, 0, cache._code,
             cache._ext_k(), cache._ext_v(), for_ext(cache.page_table), for_ext(reclaimable), for_ext(active), None, 0,
+        )  # fmt: skip
+        return reclaimable
+
+    def prefill_key_diff(
+        self,
+        lengths: Any,
+        *,
+        cache: CacheView,
+        max_length: Optional[int] = None,
+        active: Any = None,
+    ) -> Any:
+        """:meth:`prefill` scored by KeyDiff (Park et al., 2025; the C++
+        ``key_diff{cache}``), from the prompt's own cached keys (no attention
+        input). For the keys ``k_p``, ``p`` in ``[0, L)``, of one (sequence,
+        KV head), the anchor is the sum of the unit keys ``k_p / ||k_p||``
+        and position ``p`` scores ``-cos(k_p, anchor)`` (0 for a zero key,
+        and for every key when the anchor is 0), so h2o keeps the first
+        ``sinks``, the ``recent`` newest and the ``heavy`` keys least similar
+        to the others between them (the highest (score, position): the newer
+        on a tie). KeyDiff here compresses prompts only: afterwards the
+        policy goes on by its own rule (attention, or key norms with
+        :meth:`H2OConfig.key_norm`) from the KeyDiff scores it kept. Any h2o
+        config takes it (every decay); recent_window and random accept it
+        as they accept no scores; exact_greedy has no batched prefill.
+
+        The kept K and V rows move, in position order, to slots ``[0,
+        kept)``. A key whose norm is not finite (NaN, infinity, squares that
+        overflow float32) anywhere in a prompt leaves that sequence
+        unchanged (state and K/V) and raises :class:`NonFiniteError` at the
+        first such (sequence, head, slot) (on CUDA, at :meth:`check`), the
+        rest of the batch compressed. ``max_length`` as in :meth:`prefill`.
+        Returns int32 [num_seqs]: trailing pages of a paged prompt no longer
+        needed. On CUDA it runs on torch's current stream; the C++ library
+        computes every score (the anchor summed exactly, so the host and
+        CUDA give the same bits).
+        """
+        if not isinstance(cache, CacheView):
+            raise _ext.InvalidArgument(
+                "kvevict.prefill_key_diff: argument 'cache' must be a CacheView (K and V: the kept rows move)"
+            )
+        lengths = self._array(lengths, np.int32)
+        if max_length is None:
+            max_length = int(lengths.max()) if len(lengths) else 0
+        active = self._active(active)
+        if self._compiling() or self._cuda:
+            return self._ops().prefill_key_diff(
+                self.state, self.descriptor, lengths, int(max_length), cache.k, cache.v, cache.page_table,
+                cache._code, active,
+            )  # fmt: skip
+        reclaimable = self._new_int32((self.num_seqs,), 0)
+        _ext.prefill_key_diff(
+            self._desc, for_ext(self.state), for_ext(lengths), int(max_length), cache._code, cache._ext_k(),
+            cache._ext_v(), for_ext(cache.page_table), for_ext(reclaimable), for_ext(active), None, 0,
         )  # fmt: skip
         return reclaimable
 

@@ -1,8 +1,9 @@
 """SequencePolicy: the per-sequence host API (``h2o_policy`` and friends).
 
 One call per sequence, each checked before it changes anything, over the
-slot table only (the caller moves K/V rows), but for ``prefill_key_norms``
-and ``prefill_snapkv``, which compact the kept K/V rows themselves. Engines that step sequences one
+slot table only (the caller moves K/V rows), but for ``prefill_key_norms``,
+``prefill_key_diff`` and ``prefill_snapkv``, which compact the kept K/V rows
+themselves. Engines that step sequences one
 at a time on the CPU use it; the tests use it as the reference the batched
 paths and the transformers cache are checked against.
 """
@@ -26,9 +27,10 @@ class SequencePolicy:
     """A per-sequence policy (host): ``append(b)``, ``observe_*(b, ...)``
     (``observe_key_norms`` reads the caller's K buffer),
     ``evict(b)``, ``prefill_column_sums(b, L, sums)``,
-    ``prefill_key_norms(b, L, k_cache, v_cache)`` and
+    ``prefill_key_norms(b, L, k_cache, v_cache)``,
+    ``prefill_key_diff(b, L, k_cache, v_cache)`` (h2o) and
     ``prefill_snapkv(b, L, k_cache, v_cache, snap=, probs=|logits=|queries=)``
-    (h2o; both compact the K/V rows), ``reset(b)``, and copies
+    (h2o; all three compact the K/V rows), ``reset(b)``, and copies
     of the slot table (``positions()``, ``counts()``, ``scores()``).
 
     exact_greedy is not offered here: its per-sequence API needs the cache
@@ -115,6 +117,28 @@ class SequencePolicy:
         in position order to slots [0, kept). h2o takes it only with decay 0
         (:meth:`H2OConfig.key_norm`). Returns ``(kept, reclaimable_pages)``."""
         return tuple(self._p.prefill_key_norms(b, length, *self._cache_args(k_cache, v_cache, layout, page_table)))
+
+    def prefill_key_diff(
+        self, b: int, length: int, k_cache: Any, v_cache: Any = None, layout: Optional[str] = None,
+        page_table: Any = None,
+    ) -> Tuple[int, int]:
+        """KeyDiff prompt compression of sequence b (h2o; the C++
+        ``h2o_policy::prefill`` with ``key_diff{cache}``): its prompt of
+        ``length`` tokens sits in slots [0, length) of the cache (the whole
+        batch's K and V buffers in ``layout``, default ``"bhsd"``, or a
+        :class:`CacheView` in place of ``k_cache``); position ``p`` scores
+        ``-cos(k_p, anchor)``, the anchor the sum of its head's unit prompt
+        keys (0 for a zero key or a zero anchor), the first ``sinks``, the
+        ``recent`` newest and the ``heavy`` least similar keys between stay
+        (the newer on a tie), and their K and V rows move in position order
+        to slots [0, kept). Prompts only; any h2o config (every decay). A
+        key whose norm is not finite raises :class:`NonFiniteError` naming
+        ``||cache.k||[h][p]``, nothing changed; recent_window and random
+        raise :class:`InvalidArgument` (the library's per-sequence policies
+        of those kinds take no KeyDiff input). Returns ``(kept,
+        reclaimable_pages)``, the same bits as
+        :meth:`BatchedPolicy.prefill_key_diff`."""
+        return tuple(self._p.prefill_key_diff(b, length, *self._cache_args(k_cache, v_cache, layout, page_table)))
 
     def prefill_snapkv(
         self,

@@ -791,8 +791,9 @@ kvevict::snap_window parse_snap(std::int32_t rows, std::int32_t pool_width, std:
   return {rows, pool_width, static_cast<kvevict::snap_pooling>(pooling)};
 }
 
-/// Batched prefill of any input kind (see prefill and prefill_snapkv);
-/// `pool_width` and `pooling` are read by the window_* kinds only.
+/// Batched prefill of any input kind (see prefill, prefill_snapkv and
+/// prefill_key_diff); `pool_width` and `pooling` are read by the window_*
+/// kinds only.
 std::size_t run_prefill(const Descriptor& desc, nb::handle memory, nb::handle lengths_obj, std::int32_t max_length,
                         prefill_input kind, nb::handle x_obj, nb::handle lse_obj, float scale,
                         std::int32_t base_code, std::int32_t pool_width, std::int32_t pooling, std::int32_t layout,
@@ -829,7 +830,8 @@ std::size_t run_prefill(const Descriptor& desc, nb::handle memory, nb::handle le
       lse = float_input<3>(lse_obj, st.dev, call, "lse", "[num_seqs][num_q_heads][max_length]");
       break;
     case prefill_input::none:
-    case prefill_input::key_norms: break;
+    case prefill_input::key_norms:
+    case prefill_input::key_diff: break;
     case prefill_input::window_probs:
       x = float_array<4>(x_obj, st.dev, call, "probs", "[num_seqs][num_q_heads][window][>= max_length]");
       break;
@@ -875,6 +877,11 @@ std::size_t run_prefill(const Descriptor& desc, nb::handle memory, nb::handle le
         case prefill_input::key_norms: {
           using V = decltype(view);
           const kvevict::key_norms<typename V::element_type, typename V::layout_type> in{view};
+          return kvevict::batched_prefill(st.view, active, prompts, in, reclaimable, st.status);
+        }
+        case prefill_input::key_diff: {
+          using V = decltype(view);
+          const kvevict::key_diff<typename V::element_type, typename V::layout_type> in{view};
           return kvevict::batched_prefill(st.view, active, prompts, in, reclaimable, st.status);
         }
         case prefill_input::queries: {
@@ -946,6 +953,19 @@ std::size_t prefill_snapkv(const Descriptor& desc, nb::handle memory, nb::handle
                                           : prefill_input::window_queries;
   return run_prefill(desc, memory, lengths_obj, max_length, kind, x_obj, lse_obj, scale, base_code, pool_width,
                      pooling, layout, k, v, page_table, reclaimable_obj, active_obj, workspace_obj, stream);
+}
+
+/// KeyDiff prefill (kvevict/batch/prefill_key_diff.hpp): the prompts scored
+/// by their cached keys alone, position p by -cos(k_p, the sum of its
+/// head's unit prompt keys). Its own entry point rather than an input of
+/// prefill: it takes no x, lse, scale or base. Workspace and return value
+/// as prefill.
+std::size_t prefill_key_diff(const Descriptor& desc, nb::handle memory, nb::handle lengths_obj,
+                             std::int32_t max_length, std::int32_t layout, nb::handle k, nb::handle v,
+                             nb::handle page_table, nb::handle reclaimable_obj, nb::handle active_obj,
+                             nb::handle workspace_obj, std::uintptr_t stream) {
+  return run_prefill(desc, memory, lengths_obj, max_length, prefill_input::key_diff, nb::none(), nb::none(), 1.0f, 0,
+                     0, 0, layout, k, v, page_table, reclaimable_obj, active_obj, workspace_obj, stream);
 }
 
 std::uint64_t status_word(const Descriptor& desc, nb::handle memory, std::uintptr_t stream) {
@@ -1110,6 +1130,30 @@ class SequencePolicy {
       return std::pair<std::int32_t, std::int32_t>{r.kept, r.reclaimable_pages};
     });
   }
+  /// KeyDiff prefill of sequence b's prompt in slots [0, length) of the
+  /// cache (k, v in `layout`, as the batched calls take them): the kept
+  /// rows move to slots [0, kept). Returns (kept, reclaimable_pages). Only
+  /// h2o_policy has it (the library's per-sequence recent_window and random
+  /// policies take no KeyDiff input); the others are refused here, after
+  /// the cache's checks.
+  std::pair<std::int32_t, std::int32_t> prefill_key_diff(std::int32_t b, std::int32_t length, std::int32_t layout,
+                                                         nb::handle k, nb::handle v, nb::handle page_table) {
+    const char* call = "prefill";
+    const any_cache cache = parse_cache(layout, k, v, page_table, device{}, p_.shape().capacity, call);
+    if constexpr (std::is_same_v<Policy, kvevict::h2o_policy>) {
+      return visit_cache(cache, [&](auto view) {
+        using V = decltype(view);
+        const kvevict::prefill_result r =
+            p_.prefill(b, length, kvevict::key_diff<typename V::element_type, typename V::layout_type>{view});
+        return std::pair<std::int32_t, std::int32_t>{r.kept, r.reclaimable_pages};
+      });
+    } else {
+      (void)b;
+      (void)length;
+      fail_arg(call, "in", concat("is key_diff, which the per-sequence ", kvevict::policy_traits<Policy>::name,
+                                  " does not take (only h2o_policy does)"));
+    }
+  }
   /// SnapKV prefill of sequence b's prompt in slots [0, length) of the
   /// cache (k, v in `layout`): input 0 probs [Hq][window][>= length], 1
   /// logits [Hq][window][>= length] with lse [Hq][window], 2 queries
@@ -1240,6 +1284,10 @@ void bind_sequence_policy(nb::module_& m, const char* name, const char* doc, Mak
            "page_table"_a.none() = nb::none(),
            "Compresses the prompt in slots [0, length) by its key norms, moving the kept K/V rows to slots [0, kept); "
            "returns (kept, reclaimable_pages).")
+      .def("prefill_key_diff", &S::prefill_key_diff, "b"_a, "length"_a, "layout"_a, "k_cache"_a, "v_cache"_a,
+           "page_table"_a.none() = nb::none(),
+           "KeyDiff prefill (h2o): the prompt in slots [0, length) scored by -cos(k_p, the sum of its head's unit "
+           "keys); the kept K/V rows move to slots [0, kept). Returns (kept, reclaimable_pages).")
       .def("prefill_snapkv", &S::prefill_snapkv, "b"_a, "length"_a, "input"_a, "x"_a, "lse"_a.none(), "scale"_a,
            "base"_a, "pool_width"_a, "pooling"_a, "layout"_a, "k_cache"_a, "v_cache"_a,
            "page_table"_a.none() = nb::none(),
@@ -1346,6 +1394,9 @@ NB_MODULE(_ext, m) {
         "lse"_a.none(), "scale"_a, "base"_a, "pool_width"_a, "pooling"_a, "layout"_a, "k_cache"_a, "v_cache"_a,
         "page_table"_a.none(), "reclaimable_pages"_a.none(), "active"_a = none, "workspace"_a = none,
         "stream"_a = 0);
+  m.def("prefill_key_diff", &prefill_key_diff, "desc"_a, "state"_a, "lengths"_a, "max_length"_a, "layout"_a,
+        "k_cache"_a, "v_cache"_a, "page_table"_a.none(), "reclaimable_pages"_a.none(), "active"_a = none,
+        "workspace"_a = none, "stream"_a = 0);
   m.def("status_word", &status_word, "desc"_a, "state"_a, "stream"_a = 0);
   m.def("check", &check, "desc"_a, "state"_a, "stream"_a = 0);
   m.def("state_offsets", &state_offsets, "desc"_a, "state"_a);

@@ -142,8 +142,9 @@ decltype(auto) visit_queries(const any_array& q, const any_cache& c, F&& f) {
   });
 }
 
-/// The inputs of a batched prefill (key_norms: the cached keys themselves;
-/// window_*: SnapKV's observation window, kvevict/policy/snapkv.hpp).
+/// The inputs of a batched prefill (key_norms, key_diff: the cached keys
+/// themselves, kvevict/policy/key_diff.hpp for KeyDiff; window_*: SnapKV's
+/// observation window, kvevict/policy/snapkv.hpp).
 enum class prefill_input : std::int32_t {
   probs = 0,
   sums = 1,
@@ -153,6 +154,7 @@ enum class prefill_input : std::int32_t {
   window_probs = 5,
   window_logits = 6,
   window_queries = 7,
+  key_diff = 8,
 };
 
 inline bool is_window(prefill_input kind) noexcept {

@@ -1,5 +1,6 @@
 // Batched prefill compression on CUDA, from the causal probabilities, column
-// sums, queries + LSE, the norms of the cached keys, no scores
+// sums, queries + LSE, the norms of the cached keys, KeyDiff's cosines of
+// the cached keys (kvevict/cuda/prefill_key_diff.cuh), no scores
 // (recent_window, random), or SnapKV's observation window (probabilities,
 // logits + LSE, queries + LSE; kvevict/cuda/prefill_window.cuh).
 #include "cuda_backend.hpp"
@@ -30,6 +31,11 @@ std::size_t prefill(void* workspace, std::size_t workspace_bytes, const batch_st
       case prefill_input::key_norms: {
         using V = decltype(view);
         const kvevict::key_norms<typename V::element_type, typename V::layout_type> in{view};
+        return kvevict::gpu::batched_prefill(workspace, bytes, st, active, prompts, in, reclaimable, status, s);
+      }
+      case prefill_input::key_diff: {
+        using V = decltype(view);
+        const kvevict::key_diff<typename V::element_type, typename V::layout_type> in{view};
         return kvevict::gpu::batched_prefill(workspace, bytes, st, active, prompts, in, reclaimable, status, s);
       }
       case prefill_input::window_probs:

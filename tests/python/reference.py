@@ -356,3 +356,70 @@ def ragged_schedule(step: int, rng, num_seqs: int):
         flags[1] = 1
         return flags, [b for b in range(num_seqs) if flags[b]]
     return None, list(range(num_seqs))
+
+
+# ---- one layer's K/V buffers in any layout (pure NumPy) ------------------------
+
+
+class LayerCache:
+    """One layer's K and V buffers of `num_seqs` x `heads` x `capacity` rows of
+    `head_dim` in a layout ('bhsd', 'bshd', 'paged_nhd', 'paged_hnd'; paged
+    with pages of `page` slots in shuffled order and one page no sequence
+    uses), zero-filled, and the rows of logical slot (b, h, s). The caller
+    wraps it in a ``kvevict.CacheView(c.k, c.v, c.layout, c.table)``."""
+
+    def __init__(self, layout, dtype, num_seqs, heads, head_dim, capacity, rng, page=4):
+        self.layout, self.dtype, self.page, self.table = layout, dtype, page, None
+        if layout in ("bhsd", "bshd"):
+            shape = (num_seqs, heads, capacity, head_dim) if layout == "bhsd" else (num_seqs, capacity, heads, head_dim)
+        else:
+            pages = -(-capacity // page)
+            num_pages = pages * num_seqs + 1
+            shape = (num_pages, page, heads, head_dim) if layout == "paged_nhd" else (num_pages, heads, page, head_dim)
+            self.table = rng.permutation(num_pages)[: pages * num_seqs].reshape(num_seqs, pages).astype(np.int32)
+        self.k = np.zeros(shape, dtype)
+        self.v = np.zeros(shape, dtype)
+
+    def copy(self):
+        other = object.__new__(LayerCache)
+        other.layout, other.dtype, other.page = self.layout, self.dtype, self.page
+        other.table = None if self.table is None else self.table.copy()
+        other.k, other.v = self.k.copy(), self.v.copy()
+        return other
+
+    def _row(self, x, b, h, s):
+        if self.layout == "bhsd":
+            return x[b, h, s]
+        if self.layout == "bshd":
+            return x[b, s, h]
+        page = self.table[b, s // self.page]
+        return x[page, s % self.page, h] if self.layout == "paged_nhd" else x[page, h, s % self.page]
+
+    def k_row(self, b, h, s):
+        return self._row(self.k, b, h, s)
+
+    def v_row(self, b, h, s):
+        return self._row(self.v, b, h, s)
+
+    def row_bytes(self, which, b, h, s):
+        return np.ascontiguousarray(self._row(self.k if which == "k" else self.v, b, h, s)).tobytes()
+
+
+def prefill_reclaimable_pages(layout, length, budget, capacity, page):
+    """Trailing pages a compressed paged prompt no longer needs:
+    pages(L) - pages(min(budget + 1, capacity)), at least 0; 0 unpaged."""
+    if layout in ("bhsd", "bshd"):
+        return 0
+    pages = lambda n: -(-n // page)  # noqa: E731
+    return max(0, pages(length) - pages(min(budget + 1, capacity)))
+
+
+def prefill_split(length, budget, sinks, recent):
+    """A prompt of `length` tokens above the budget: (lo, hi, take), the
+    positions [0, lo) and [hi, length) protected and `take` of [lo, hi)
+    kept; None when the prompt fits the budget (kept whole)."""
+    if length <= budget:
+        return None
+    lo = min(sinks, length)
+    hi = max(length - recent, lo)
+    return lo, hi, budget - lo - (length - hi)
