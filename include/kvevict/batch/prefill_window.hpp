@@ -8,7 +8,10 @@
 // CUDA kernels (kvevict/cuda/prefill_scores.cuh) share them.
 //
 // Status words, beside those of every batched prefill:
-//   - bad_length (head 0, index L) for a prompt shorter than the window;
+//   - bad_length (head 0, index L) for a prompt shorter than the window,
+//     found with the per-head checks: after not_empty and bad_page, unlike
+//     the other bad_length (a length outside [1, capacity]), which comes
+//     first;
 //   - per head, non_finite_lse / non_finite_query (index: the query head)
 //     for a window row's LSE or query;
 //   - per head and column p: the lowest element code of column p's window

@@ -68,7 +68,7 @@ __global__ void __launch_bounds__(Threads)
   for (std::int32_t e = t; e < d; e += Threads) unit[e] = key_diff_unit_anchor(unit[e], anchor_length);
   __syncthreads();
   for (std::int32_t p = t; p < length; p += Threads)
-    norms[p] = key_diff_score(in.cache.k_row(head.b, head.h, p), unit, d);  // only thread p read norms[p]
+    norms[p] = key_diff_score(in.cache.k_row(head.b, head.h, p), unit, d);  // the anchor pass ended at a barrier
 }
 
 template <class T, class Layout>

@@ -119,6 +119,45 @@ struct query_tile_layout {
   KVEVICT_HOST_DEVICE static std::size_t round16(std::size_t x) { return (x + 15) / 16 * 16; }
 };
 
+/// A queries kernel's shared memory, carved as query_tile_layout says, and
+/// the staging both queries kernels (this one and SnapKV's) share: the
+/// tile's keys once, then kPrefillQueryRows query rows at a time.
+template <int Threads, class Q, class T>
+struct query_tile {
+  T* keys;
+  Q* queries;
+  float* lse;
+  std::int32_t d, key_stride;
+
+  __device__ query_tile(unsigned char* memory, std::int32_t head_dim) : d(head_dim), key_stride(head_dim + 1) {
+    const query_tile_layout<Q, T> layout(head_dim);
+    keys = reinterpret_cast<T*>(memory);
+    queries = reinterpret_cast<Q*>(memory + layout.key_bytes);
+    lse = reinterpret_cast<float*>(memory + layout.key_bytes + layout.query_bytes);
+  }
+  /// The keys of positions [first, first + count) of (b, h).
+  template <class Layout>
+  __device__ void stage_keys(const kv_view<T, Layout>& cache, std::int32_t b, std::int32_t h, std::int32_t first,
+                             std::int32_t count, std::int32_t t) {
+    for (std::int32_t x = t; x < count * d; x += Threads) {
+      const std::int32_t r = x / d, e = x - r * d;
+      keys[r * key_stride + e] = cache.k_row(b, h, first + r)[e];
+    }
+  }
+  /// Rows [0, rows) of query(r, e) and lse_of(r). The caller syncs before
+  /// (the previous rows are no longer read) and after.
+  template <class Query, class Lse>
+  __device__ void stage_rows(std::int32_t rows, std::int32_t t, Query query, Lse lse_of) {
+    for (std::int32_t x = t; x < rows * d; x += Threads) {
+      const std::int32_t r = x / d, e = x - r * d;
+      queries[r * d + e] = query(r, e);
+    }
+    for (std::int32_t r = t; r < rows; r += Threads) lse[r] = lse_of(r);
+  }
+  __device__ const Q* query_row(std::int32_t r) const { return queries + r * d; }
+  __device__ const T* key_of(std::int32_t t) const { return keys + t * key_stride; }
+};
+
 /// Chunk partials from queries + LSE and the cached keys; the same grid as
 /// the probs kernel with kPrefillKeys columns per tile.
 template <int Threads, class Q, class T, class Layout>
@@ -128,11 +167,7 @@ __global__ void __launch_bounds__(Threads)
                                   std::int32_t tiles, std::uint64_t* status) {
   static_assert(Threads == kPrefillKeys, "a thread per key of the tile");
   extern __shared__ __align__(16) unsigned char tile_memory[];
-  const std::int32_t d = cache.head_dim, key_stride = d + 1;
-  const query_tile_layout<Q, T> layout(d);
-  T* keys = reinterpret_cast<T*>(tile_memory);
-  Q* queries = reinterpret_cast<Q*>(tile_memory + layout.key_bytes);
-  float* lse = reinterpret_cast<float*>(tile_memory + layout.key_bytes + layout.query_bytes);
+  query_tile<Threads, Q, T> tile_of(tile_memory, cache.head_dim);
 
   const std::int32_t pair = static_cast<std::int32_t>(blockIdx.x) / tiles;
   const std::int32_t tile = static_cast<std::int32_t>(blockIdx.x) % tiles;
@@ -143,11 +178,7 @@ __global__ void __launch_bounds__(Threads)
   const std::int32_t first = tile * Threads;
   if (first >= length) return;  // the whole block
   const std::int32_t t = static_cast<std::int32_t>(threadIdx.x), p = first + t;
-  const std::int32_t tile_keys = length - first < Threads ? length - first : Threads;
-  for (std::int32_t x = t; x < tile_keys * d; x += Threads) {
-    const std::int32_t r = x / d, e = x - r * d;
-    keys[r * key_stride + e] = cache.k_row(b, h, first + r)[e];
-  }
+  tile_of.stage_keys(cache, b, h, first, length - first < Threads ? length - first : Threads, t);
   float* partials = ws.partials + std::int64_t{pair} * ws.per_pair;
   for (std::int32_t chunk = static_cast<std::int32_t>(blockIdx.y); chunk < prefill_chunks(length);
        chunk += static_cast<std::int32_t>(gridDim.y)) {
@@ -159,17 +190,15 @@ __global__ void __launch_bounds__(Threads)
     for (std::int32_t r0 = chunk_first > first ? chunk_first : first; r0 < chunk_end; r0 += kPrefillQueryRows) {
       const std::int32_t rows = chunk_end - r0 < kPrefillQueryRows ? chunk_end - r0 : kPrefillQueryRows;
       __syncthreads();  // the keys are in; the previous rows are no longer read
-      for (std::int32_t x = t; x < rows * d; x += Threads) {
-        const std::int32_t r = x / d, e = x - r * d;
-        queries[r * d + e] = in.q(b, q, r0 + r, e);
-      }
-      for (std::int32_t r = t; r < rows; r += Threads) lse[r] = in.lse(b, q, r0 + r);
+      tile_of.stage_rows(
+          rows, t, [&](std::int32_t r, std::int32_t e) { return in.q(b, q, r0 + r, e); },
+          [&](std::int32_t r) { return in.lse(b, q, r0 + r); });
       __syncthreads();
       if (p < length)
         for (std::int32_t r = 0; r < rows; ++r) {
           if (r0 + r < p) continue;
-          const float x = kvevict::detail::prefill_query_value(queries + r * d, 1, keys + t * key_stride, d, in.scale,
-                                                               lse[r], in.base);
+          const float x = kvevict::detail::prefill_query_value(tile_of.query_row(r), 1, tile_of.key_of(t),
+                                                               tile_of.d, in.scale, tile_of.lse[r], in.base);
           code = kvevict::detail::lower_code(code, classify_input(x, true));
           acc.add(decayed_row(st.rule.decay, length, r0 + r, x));
         }

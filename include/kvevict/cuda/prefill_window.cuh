@@ -60,11 +60,8 @@ __global__ void __launch_bounds__(Threads)
                                      std::int32_t tiles, std::uint64_t* status) {
   static_assert(Threads == kPrefillKeys, "a thread per key of the tile");
   extern __shared__ __align__(16) unsigned char tile_memory[];
-  const std::int32_t d = cache.head_dim, key_stride = d + 1, window = in.snap.window;
-  const query_tile_layout<Q, T> layout(d);
-  T* keys = reinterpret_cast<T*>(tile_memory);
-  Q* queries = reinterpret_cast<Q*>(tile_memory + layout.key_bytes);
-  float* lse = reinterpret_cast<float*>(tile_memory + layout.key_bytes + layout.query_bytes);
+  query_tile<Threads, Q, T> tile_of(tile_memory, cache.head_dim);
+  const std::int32_t window = in.snap.window;
 
   const std::int32_t pair = static_cast<std::int32_t>(blockIdx.x) / tiles;
   const std::int32_t tile = static_cast<std::int32_t>(blockIdx.x) % tiles;
@@ -75,29 +72,23 @@ __global__ void __launch_bounds__(Threads)
   const std::int32_t first = tile * Threads;
   if (first >= length) return;  // the whole block
   const std::int32_t t = static_cast<std::int32_t>(threadIdx.x), p = first + t;
-  const std::int32_t tile_keys = length - first < Threads ? length - first : Threads;
-  for (std::int32_t x = t; x < tile_keys * d; x += Threads) {
-    const std::int32_t r = x / d, e = x - r * d;
-    keys[r * key_stride + e] = cache.k_row(b, h, first + r)[e];
-  }
+  tile_of.stage_keys(cache, b, h, first, length - first < Threads ? length - first : Threads, t);
   const std::int32_t row0 = length - window;  // prompt row of window row 0 (the prompt holds the window: prepare)
   prefill_accumulator acc;                    // snap_column_sum's order: rows ascending from max(p, row0)
   batch_code code = batch_code::ok;
   for (std::int32_t r0 = 0; r0 < window; r0 += kPrefillQueryRows) {
     const std::int32_t rows = window - r0 < kPrefillQueryRows ? window - r0 : kPrefillQueryRows;
     __syncthreads();  // the keys are in; the previous rows are no longer read
-    for (std::int32_t x = t; x < rows * d; x += Threads) {
-      const std::int32_t r = x / d, e = x - r * d;
-      queries[r * d + e] = in.q(b, q, r0 + r, e);
-    }
-    for (std::int32_t r = t; r < rows; r += Threads) lse[r] = in.lse(b, q, r0 + r);
+    tile_of.stage_rows(
+        rows, t, [&](std::int32_t r, std::int32_t e) { return in.q(b, q, r0 + r, e); },
+        [&](std::int32_t r) { return in.lse(b, q, r0 + r); });
     __syncthreads();
     if (p < length)
       for (std::int32_t r = 0; r < rows; ++r) {
         const std::int32_t i = row0 + r0 + r;
         if (i < p) continue;
-        const float x = kvevict::detail::prefill_query_value(queries + r * d, 1, keys + t * key_stride, d, in.scale,
-                                                             lse[r], in.base);
+        const float x = kvevict::detail::prefill_query_value(tile_of.query_row(r), 1, tile_of.key_of(t), tile_of.d,
+                                                             in.scale, tile_of.lse[r], in.base);
         code = kvevict::detail::lower_code(code, classify_input(x, true));
         acc.add(decayed_row(st.rule.decay, length, i, x));
       }

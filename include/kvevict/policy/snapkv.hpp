@@ -136,7 +136,8 @@ KVEVICT_HOST_DEVICE KVEVICT_REPRODUCIBLE inline float snap_column_sum(std::int32
 /// row i adds to columns [0, i) and starts column i), so the rows are read
 /// contiguously with no per-element branch. `weigh` is row i's row_decay.
 template <class Value>
-inline void add_window_row(float* sums, std::int32_t i, std::int32_t first, const row_decay& weigh, Value value) {
+KVEVICT_REPRODUCIBLE inline void add_window_row(float* sums, std::int32_t i, std::int32_t first,
+                                                const row_decay& weigh, Value value) {
   KVEVICT_FP_CONTRACT_OFF
   if (i == first) {
     for (std::int32_t p = 0; p <= i; ++p) sums[p] = weigh(value(p));
