@@ -100,6 +100,29 @@ void per_sequence_probs(benchmark::State& state, scenario sc, kvbench::keep_frac
   kvbench::report(state, pr.items(), triangle * std::int64_t(sizeof(float)) + pr.moved_bytes<bfloat16>());
 }
 
+/// The baselines' keep written plainly: the top `heavy` of positions
+/// [0, older) by (score, position) with nth_element, sorted, then the
+/// positions from `older` on; their K and V rows of head bh gathered into
+/// k2 / v2. idx is scratch of score.size() entries.
+template <class T>
+void keep_and_gather(const std::vector<float>& score, std::int32_t heavy, std::int32_t older, std::int32_t budget,
+                     std::int64_t bh, std::size_t d, const std::vector<T>& k, const std::vector<T>& v,
+                     std::vector<std::int32_t>& idx, std::vector<T>& k2, std::vector<T>& v2) {
+  const std::size_t n = score.size();
+  std::iota(idx.begin(), idx.end(), 0);
+  std::nth_element(idx.begin(), idx.begin() + heavy, idx.begin() + older, [&](std::int32_t a, std::int32_t c) {
+    return eviction_key(score[std::size_t(a)], a) > eviction_key(score[std::size_t(c)], c);
+  });
+  std::sort(idx.begin(), idx.begin() + heavy);
+  std::copy(idx.begin() + older, idx.end(), idx.begin() + heavy);
+  for (std::int32_t j = 0; j < budget; ++j) {
+    const std::size_t from = (std::size_t(bh) * n + std::size_t(idx[std::size_t(j)])) * d;
+    const std::size_t to = (std::size_t(bh) * std::size_t(budget) + std::size_t(j)) * d;
+    std::copy_n(&k[from], d, &k2[to]);
+    std::copy_n(&v[from], d, &v2[to]);
+  }
+}
+
 template <class T>
 void reference_keep_gather(benchmark::State& state, scenario sc, kvbench::keep_fraction keep) {
   const prompt pr(kvbench::cache_slice(sc, sizeof(T)), keep);
@@ -118,18 +141,7 @@ void reference_keep_gather(benchmark::State& state, scenario sc, kvbench::keep_f
         for (std::int32_t g = 0; g < sc.group; ++g) x += sums[std::size_t(g) * n + j];
         score[j] = x;
       }
-      std::iota(idx.begin(), idx.end(), 0);
-      std::nth_element(idx.begin(), idx.begin() + heavy, idx.begin() + older, [&](std::int32_t a, std::int32_t c) {
-        return eviction_key(score[std::size_t(a)], a) > eviction_key(score[std::size_t(c)], c);
-      });
-      std::sort(idx.begin(), idx.begin() + heavy);
-      std::copy(idx.begin() + older, idx.end(), idx.begin() + heavy);
-      for (std::int32_t j = 0; j < pr.budget; ++j) {
-        const std::size_t from = (std::size_t(bh) * n + std::size_t(idx[std::size_t(j)])) * d;
-        const std::size_t to = (std::size_t(bh) * pr.budget + std::size_t(j)) * d;
-        std::copy_n(&k[from], d, &k2[to]);
-        std::copy_n(&v[from], d, &v2[to]);
-      }
+      keep_and_gather(score, heavy, older, pr.budget, bh, d, k, v, idx, k2, v2);
     }
     benchmark::ClobberMemory();
   }
@@ -213,18 +225,7 @@ void reference_snapkv_gather(benchmark::State& state, scenario sc, kvbench::keep
           score[j] += best;
         }
       }
-      std::iota(idx.begin(), idx.end(), 0);
-      std::nth_element(idx.begin(), idx.begin() + heavy, idx.begin() + older, [&](std::int32_t a, std::int32_t c) {
-        return eviction_key(score[std::size_t(a)], a) > eviction_key(score[std::size_t(c)], c);
-      });
-      std::sort(idx.begin(), idx.begin() + heavy);
-      std::copy(idx.begin() + older, idx.end(), idx.begin() + heavy);
-      for (std::int32_t j = 0; j < pr.budget; ++j) {
-        const std::size_t from = (std::size_t(bh) * n + std::size_t(idx[std::size_t(j)])) * d;
-        const std::size_t to = (std::size_t(bh) * pr.budget + std::size_t(j)) * d;
-        std::copy_n(&k[from], d, &k2[to]);
-        std::copy_n(&v[from], d, &v2[to]);
-      }
+      keep_and_gather(score, heavy, older, pr.budget, bh, d, k, v, idx, k2, v2);
     }
     benchmark::ClobberMemory();
   }
@@ -294,18 +295,7 @@ void reference_key_diff_gather(benchmark::State& state, scenario sc, kvbench::ke
         for (std::size_t e = 0; e < d; ++e) dot += to_float(rows[j * d + e]) * anchor[e];
         score[j] = -dot / (norm[j] * alen);
       }
-      std::iota(idx.begin(), idx.end(), 0);
-      std::nth_element(idx.begin(), idx.begin() + heavy, idx.begin() + older, [&](std::int32_t a, std::int32_t c) {
-        return eviction_key(score[std::size_t(a)], a) > eviction_key(score[std::size_t(c)], c);
-      });
-      std::sort(idx.begin(), idx.begin() + heavy);
-      std::copy(idx.begin() + older, idx.end(), idx.begin() + heavy);
-      for (std::int32_t j = 0; j < pr.budget; ++j) {
-        const std::size_t from = (std::size_t(bh) * n + std::size_t(idx[std::size_t(j)])) * d;
-        const std::size_t to = (std::size_t(bh) * pr.budget + std::size_t(j)) * d;
-        std::copy_n(&k[from], d, &k2[to]);
-        std::copy_n(&v[from], d, &v2[to]);
-      }
+      keep_and_gather(score, heavy, older, pr.budget, bh, d, k, v, idx, k2, v2);
     }
     benchmark::ClobberMemory();
   }
