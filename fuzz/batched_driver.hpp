@@ -77,7 +77,8 @@ class batched_driver {
                  kvevict::group_reduce reduce, std::int32_t recent)
       : in_(in), policy_(std::move(policy)), cache_(std::move(cache)), pristine_(cache_.page_table()) {
     if constexpr (is_h2o)
-      shadow_.emplace(st().num_seqs(), st().num_heads(), st().group_size(), recent, st().rule.budget, reduce);
+      shadow_.emplace(st().num_seqs(), st().num_heads(), st().group_size(), recent, st().rule.budget, reduce,
+                      st().rule.protect.sinks, st().rule.decay);
     for (std::int32_t b = 0; b < st().num_seqs(); ++b) write_rows(in_, cache_, b, 0, cache_.capacity(), 0);
   }
 
@@ -636,6 +637,12 @@ class batched_driver {
     check_all("batched reset");
   }
 
+  /// Prompt row i's element as the brute force sums it (the h2o decay).
+  float weigh_row(float x, std::int32_t length, std::int32_t i) const {
+    if constexpr (is_h2o) return shadow_->weigh_row(x, length, i);
+    return x;
+  }
+
   template <class Value>
   static float column_total(std::int32_t p, std::int32_t length, Value value) {
     float acc = value(p);
@@ -679,7 +686,7 @@ class batched_driver {
              kvevict::batched_prefill(sv, active.set, prompts, input, view, reclaim_out, &s);
            }).has_value();
       total = [&](std::int32_t b, std::int32_t q, std::int32_t p, std::int32_t len) {
-        return column_total(p, len, [&](std::int32_t i) { return probs.view(b, q, i, p); });
+        return column_total(p, len, [&](std::int32_t i) { return weigh_row(probs.view(b, q, i, p), len, i); });
       };
       if (ok) after_prefill(before, lengths, moved, total);
       return;
@@ -709,7 +716,7 @@ class batched_driver {
         const T* key = before.k.data() + v.layout.row_offset(b, qh / g, p);
         return column_total(p, len, [&](std::int32_t i) {
           const float logit = kvevict::attention_logit(&q.view(b, qh, i, 0), q.view.strides[3], key, head_dim());
-          return kvevict::probability_from_logit(logit, input.scale, lse.view(b, qh, i), input.base);
+          return weigh_row(kvevict::probability_from_logit(logit, input.scale, lse.view(b, qh, i), input.base), len, i);
         });
       };
       if (ok) after_prefill(before, lengths, moved, total);

@@ -56,7 +56,7 @@ class sequence_driver {
     const auto& sh = policy_.shape();
     if constexpr (is_h2o)
       shadow_.emplace(sh.num_seqs, sh.num_kv_heads, sh.group_size(), policy_.config().recent, policy_.budget(),
-                      policy_.config().reduce);
+                      policy_.config().reduce, policy_.config().sinks, policy_.config().decay);
     write_all_rows();
   }
 
@@ -440,6 +440,12 @@ class sequence_driver {
 
   /// Column total of one query head in the canonical order (the first
   /// element starts it); prompts here are at most 64 long: one chunk.
+  /// Prompt row i's element as the brute force sums it (the h2o decay).
+  float weigh_row(float x, std::int32_t length, std::int32_t i) const {
+    if constexpr (is_h2o) return shadow_->weigh_row(x, length, i);
+    return x;
+  }
+
   template <class Value>
   static float column_total(std::int32_t p, std::int32_t length, Value value) {
     float acc = value(p);
@@ -492,7 +498,7 @@ class sequence_driver {
         ok = call("prefill(probs)", [&] { policy_.prefill(b, length, kvevict::prefill_probs{probs.view}, view); });
         if (ok && is_h2o)
           scores = head_scores_from(length, [&](std::int32_t qh, std::int32_t p) {
-            return column_total(p, length, [&](std::int32_t i) { return probs.view(qh, i, p); });
+            return column_total(p, length, [&](std::int32_t i) { return weigh_row(probs.view(qh, i, p), length, i); });
           });
       } else if (kind == 1 || kind == 2) {
         const auto sums = make_tensor<float, 2>(in_, {q_heads, m}, {false, true}, value_kind::probability, 24, 48);
@@ -518,7 +524,8 @@ class sequence_driver {
             const T* key = k_before.data() + v.layout.row_offset(b, qh / g, p);
             return column_total(p, length, [&](std::int32_t i) {
               const float logit = kvevict::attention_logit(&q.view(qh, i, 0), q.view.strides[2], key, head_dim());
-              return kvevict::probability_from_logit(logit, input.scale, lse.view(qh, i), input.base);
+              return weigh_row(kvevict::probability_from_logit(logit, input.scale, lse.view(qh, i), input.base), length,
+                               i);
             });
           });
         }

@@ -1,8 +1,9 @@
 #pragma once
 // A brute-force model of h2o (docs/policies.md, docs/semantics.md): per
 // (sequence, KV head) a map from cached position to its accumulated score,
-// updated the obvious way (one float add per observation, increments folded
-// over the group in ascending query head) and evicting by sorting. The
+// updated the obvious way (score = decay * score, rounded, plus the
+// increment folded over the group in ascending query head) and evicting by
+// sorting, the first `sinks` and the `recent` newest protected. The
 // harness feeds it the same calls the library accepted and compares the
 // cached positions and the score bits after each.
 #include <algorithm>
@@ -22,9 +23,17 @@ namespace kvfuzz {
 class h2o_shadow {
  public:
   h2o_shadow(std::int32_t seqs, std::int32_t heads, std::int32_t group, std::int32_t recent, std::int32_t budget,
-             kvevict::group_reduce reduce)
-      : heads_(heads), group_(group), recent_(recent), budget_(budget), reduce_(reduce),
+             kvevict::group_reduce reduce, std::int32_t sinks, float decay)
+      : heads_(heads), group_(group), recent_(recent), budget_(budget), sinks_(sinks), decay_(decay), reduce_(reduce),
         tokens_(std::size_t(seqs) * heads), lengths_(std::size_t(seqs), 0) {}
+
+  /// Prompt row i of `length` as it enters a column total: weighed by
+  /// decay^(length - 1 - i) (exact: the harness draws powers of two and 0).
+  float weigh_row(float x, std::int32_t length, std::int32_t i) const {
+    if (decay_ == 1.0f) return x;
+    const float w = std::pow(decay_, float(length - 1 - i));
+    return w * x;
+  }
 
   std::int32_t group() const { return group_; }
   std::int32_t length(std::int32_t b) const { return lengths_[std::size_t(b)]; }
@@ -56,14 +65,15 @@ class h2o_shadow {
   void add(std::int32_t b, std::int32_t h, std::int32_t position, float increment, const char* call) {
     auto it = head(b, h).find(position);
     require(it != head(b, h).end(), std::string(call) + ": shadow has no position " + std::to_string(position));
-    const float next = it->second + increment;
+    const float scaled = decay_ * it->second;  // rounded before the add, never fused
+    const float next = scaled + increment;
     require(std::isfinite(next), std::string(call) + " accepted an update that makes the score of position " +
                                      std::to_string(position) + " non-finite");
     it->second = next;
   }
 
   /// evict: above the budget, the lowest (score, position) outside the
-  /// `recent` newest goes. Returns false when there is no such token.
+  /// first `sinks` and the `recent` newest goes. Returns false when there is no such token.
   bool evict_one(std::int32_t b, std::int32_t h) {
     auto& t = head(b, h);
     if (std::int32_t(t.size()) <= budget_) return true;
@@ -72,7 +82,7 @@ class h2o_shadow {
     std::int32_t victim = 0;
     std::uint64_t best = 0;
     for (const auto& [p, score] : t) {
-      if (p >= len - recent_) continue;
+      if (p < sinks_ || p >= len - recent_) continue;
       const std::uint64_t key = kvevict::eviction_key(score, p);
       if (!found || key < best) found = true, best = key, victim = p;
     }
@@ -89,7 +99,7 @@ class h2o_shadow {
     std::vector<std::pair<std::uint64_t, std::int32_t>> rest;
     std::int32_t protected_count = 0;
     for (const auto& [p, score] : t) {
-      if (p >= len - recent_) ++protected_count;
+      if (p < sinks_ || p >= len - recent_) ++protected_count;
       else rest.push_back({kvevict::eviction_key(score, p), p});
     }
     std::sort(rest.begin(), rest.end());  // ascending: victims first
@@ -99,8 +109,8 @@ class h2o_shadow {
     (void)protected_count;
   }
 
-  /// Prefill of a prompt of `length` with per-head scores[h][p]: the last
-  /// `recent` plus the top budget - recent of the rest by (score, position).
+  /// Prefill of a prompt of `length` with per-head scores[h][p]: the first
+  /// `sinks`, the last `recent` and the top of the rest by (score, position).
   void prefill(std::int32_t b, std::int32_t length, const std::vector<std::vector<float>>& scores) {
     lengths_[std::size_t(b)] = length;
     for (std::int32_t h = 0; h < heads_; ++h) {
@@ -109,7 +119,7 @@ class h2o_shadow {
       for (std::int32_t p = 0; p < length; ++p) t[p] = scores[std::size_t(h)][std::size_t(p)];
       if (length <= budget_) continue;
       std::vector<std::pair<std::uint64_t, std::int32_t>> rest;
-      for (std::int32_t p = 0; p < length - recent_; ++p)
+      for (std::int32_t p = sinks_; p < length - recent_; ++p)
         rest.push_back({kvevict::eviction_key(t[p], p), p});
       std::sort(rest.begin(), rest.end());
       const std::size_t victims = std::size_t(length - budget_);
@@ -150,7 +160,8 @@ class h2o_shadow {
     return tokens_[std::size_t(b) * heads_ + h];
   }
 
-  std::int32_t heads_, group_, recent_, budget_;
+  std::int32_t heads_, group_, recent_, budget_, sinks_;
+  float decay_;
   kvevict::group_reduce reduce_;
   std::vector<std::map<std::int32_t, float>> tokens_;  // [B][H]: position -> score
   std::vector<std::int32_t> lengths_;

@@ -6,6 +6,7 @@
 // that are not a multiple of the KV heads).
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 
 #include "fuzz_input.hpp"
 #include "kvevict/policy/exact_greedy.hpp"
@@ -27,6 +28,12 @@ inline kvevict::h2o_config decode_config(fuzz_input& in, kvevict::h2o_config*) {
   c.recent = budget_part(in);
   c.reduce = in.one_in(32) ? static_cast<kvevict::group_reduce>(in.range(3, 255))
                            : static_cast<kvevict::group_reduce>(in.range(0, 2));
+  c.sinks = in.one_in(3) ? budget_part(in) / 2 : 0;
+  // Decays whose powers are exact in float (so the brute force may weigh
+  // prompt rows with std::pow), now and then one the constructor refuses.
+  const float decays[] = {1.0f, 1.0f, 0.5f, 0.25f, 0.0f};
+  const float refused[] = {-0.5f, 1.5f, std::numeric_limits<float>::quiet_NaN()};
+  c.decay = in.one_in(48) ? refused[in.range(0, 2)] : decays[in.range(0, 4)];
   return c;
 }
 inline kvevict::recent_window_config decode_config(fuzz_input& in, kvevict::recent_window_config*) {
