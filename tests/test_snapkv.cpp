@@ -509,6 +509,11 @@ TEST_CASE("SnapKV refusals: bad parameters, a prompt shorter than the window, ba
   CHECK(got.sequence == 1);
   CHECK(got.head == 1);
   CHECK(got.index == 4);
+  // A prefill leaves the whole sequence as it was, and says so.
+  CHECK_THROWS_WITH_AS(kv::throw_if_error(status, "prefill"), doctest::Contains("(that sequence was left unchanged)"),
+                       kv::invalid_argument);
+  CHECK_THROWS_WITH_AS(kv::throw_if_error(status, "observe_evict"), doctest::Contains("(that head was left unchanged)"),
+                       kv::invalid_argument);
   CHECK(st.slots.lengths[1] == 0);
   for (std::int32_t s = 0; s < cap; ++s) CHECK(st.slots.positions_of(1, 0)[s] == -1);
   for (std::int32_t p = 0; p < cap; ++p)  // sequence 1's rows did not move

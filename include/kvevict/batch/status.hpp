@@ -9,6 +9,7 @@
 // once every few steps. throw_if_error turns it into the library's exception.
 // The codes and the packing are status_code.hpp's (below the rules).
 #include <cstdint>
+#include <cstring>
 #include <string>
 
 #include "kvevict/config.hpp"
@@ -104,8 +105,9 @@ inline const char* status_index_meaning(batch_code code) noexcept {
 }
 
 /// Where a status word points, in words: the list entry, or the sequence,
-/// head and index (with what the index counts).
-inline std::string status_place(const batch_status& s) {
+/// head and index (with what the index counts). `prefill`: the call leaves
+/// a refused sequence whole, not only the head.
+inline std::string status_place(const batch_status& s, bool prefill = false) {
   if (s.code == batch_code::bad_sequence)
     return concat("active-list entry ", s.entry, " is ", s.index, ": ", describe(s.code),
                   " (that entry stepped nothing)");
@@ -114,7 +116,7 @@ inline std::string status_place(const batch_status& s) {
                   " (that sequence was left unchanged)");
   const char* meaning = status_index_meaning(s.code);
   // A prompt's length and emptiness are the sequence's: prefill leaves all of it unchanged.
-  const bool whole = s.code == batch_code::bad_length || s.code == batch_code::not_empty;
+  const bool whole = prefill || s.code == batch_code::bad_length || s.code == batch_code::not_empty;
   return concat("at sequence ", s.sequence, ", head ", s.head, ", index ", s.index,
                 *meaning ? concat(" (", meaning, ")") : std::string(), ": ", describe(s.code),
                 whole ? " (that sequence was left unchanged)" : " (that head was left unchanged)");
@@ -133,7 +135,7 @@ inline void throw_if_error(std::uint64_t word, const char* call = "batched call"
   const detail::site where{"batch", call};
   if (s.code == batch_code::bad_status_word)
     detail::fail<invalid_argument>(where, "status", "= ", word, ": ", describe(s.code));
-  const std::string at = detail::status_place(s);
+  const std::string at = detail::status_place(s, std::strstr(call, "prefill") != nullptr);
   switch (s.code) {
     case batch_code::nan_input:
     case batch_code::infinite_input:
