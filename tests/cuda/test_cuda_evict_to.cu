@@ -253,3 +253,64 @@ TEST_CASE("CUDA observe + evict refuses an input narrower than a head's tokens, 
   kvtest::check_same_state(host, mirror.view);
   CHECK(host.slots.counts[0] == 10);
 }
+
+TEST_CASE("CUDA launchers refuse a null victim_scratch, malformed input strides and edited rule enums, changing nothing") {
+  // The batched reliability checks (tests/test_batched_reliability.cpp on
+  // the host) at the CUDA entry points: each throws before any launch,
+  // naming the argument, and the device state stays as it was.
+  const kv::policy_shape shape{kSeqs, kHeads, kHeads, kCap};
+  const kv::h2o_config config{4, 2};
+  std::vector<unsigned char> host_memory(kv::batch_state_bytes<kv::h2o_policy>(shape, config));
+  device_buffer<unsigned char> device_memory(host_memory.size());
+  const kv::batch_state_view device =
+      kv::make_batch_state<kv::h2o_policy>(device_memory.get(), host_memory.size(), shape, config);
+  KVTEST_CUDA(kv::gpu::init_batch_state(device, nullptr));
+  device_buffer<std::uint64_t> d_status(std::vector<std::uint64_t>{kv::batch_status_clear});
+  KVTEST_CUDA(kv::gpu::batched_append(device, kv::active_set::all(), d_status.get(), nullptr));
+  KVTEST_CUDA(cudaDeviceSynchronize());
+  const std::vector<unsigned char> before = device_memory.download();
+  const std::vector<float> inc(std::size_t(kSeqs) * kHeads * kCap, 0.25f);
+  device_buffer<float> d_inc(inc);
+  const auto scores = kv::make_tensor_view<const float>(d_inc.get(), kSeqs, kHeads, kCap);
+  const auto throws = [&](auto call, const char* arg) {
+    CAPTURE(arg);
+    try {
+      call();
+      FAIL("accepted");
+    } catch (const kv::error& e) {
+      CHECK(std::string(e.what()).find(arg) != std::string::npos);
+    }
+    KVTEST_CUDA(cudaDeviceSynchronize());
+    CHECK(device_memory.download() == before);
+  };
+  // A null victim_scratch: evict_to writes through it.
+  kv::batch_state_view edited = device;
+  edited.victim_scratch = nullptr;
+  device_buffer<kv::slot_move> d_moves(std::size_t(kSeqs) * kHeads * kCap);
+  device_buffer<std::int32_t> d_counts(std::size_t(kSeqs) * kHeads);
+  throws([&] { (void)kv::gpu::batched_evict_to(edited, kv::active_set::all(), 6, d_moves.get(), d_counts.get(),
+                                               d_status.get(), nullptr); },
+         "'state.victim_scratch'");
+  // Input strides: negative, and zero on an extent above 1.
+  kv::batch_head_scores bad{scores};
+  bad.scores.strides[0] = -bad.scores.strides[0];
+  throws([&] { (void)kv::gpu::batched_observe_evict(device, kv::active_set::all(), bad, nullptr, d_status.get(),
+                                                    nullptr); },
+         "'scores.strides[0]'");
+  bad = kv::batch_head_scores{scores};
+  bad.scores.strides[2] = 0;
+  throws([&] { (void)kv::gpu::batched_observe_evict(device, kv::active_set::all(), bad, nullptr, d_status.get(),
+                                                    nullptr); },
+         "'scores.strides[2]'");
+  // Rule enums outside their range, read as a default before.
+  edited = device;
+  edited.rule.reduce = static_cast<kv::group_reduce>(9);
+  throws([&] { (void)kv::gpu::batched_observe_evict(edited, kv::active_set::all(), kv::batch_head_scores{scores},
+                                                    nullptr, d_status.get(), nullptr); },
+         "'state.rule.reduce'");
+  edited = device;
+  edited.rule.victim = static_cast<kv::victim_rule>(7);
+  throws([&] { (void)kv::gpu::batched_append(edited, kv::active_set::all(), d_status.get(), nullptr); },
+         "'state.rule.victim'");
+  CHECK(d_status.download()[0] == kv::batch_status_clear);
+}

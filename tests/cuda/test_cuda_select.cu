@@ -555,6 +555,15 @@ TEST_CASE("cuda select: argument errors throw before any launch") {
   CHECK_THROWS_AS(call(keys, d.count, out, bytes), invalid_argument);
   out = selection_output{};
   CHECK_THROWS_AS(call(keys, d.count, out, bytes), invalid_argument);
+  out = o.out;
+  keys.stride = std::int64_t{1} << 62;  // segment 1's offset would wrap to segment 0's keys
+  CHECK_THROWS_WITH_AS(call(keys, d.count, out, bytes), doctest::Contains("'keys.stride'"), invalid_argument);
+  keys = d.keys;
+  std::size_t b5 = bytes;
+  CHECK_THROWS_WITH_AS(gpu::segmented_select(workspace.get(), b5, keys, static_cast<select_end>(5), d.count, out,
+                                             o.status.get(), nullptr),
+                       doctest::Contains("'end'"), invalid_argument);  // read as "bottom" before
+  out = selection_output{};
   // The size query checks the same arguments.
   std::size_t query = 0;
   CHECK_THROWS_AS(gpu::segmented_select(nullptr, query, keys, select_end::top, d.count, out, nullptr, nullptr),

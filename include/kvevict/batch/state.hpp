@@ -88,7 +88,7 @@ struct batch_state_view {
   std::uint8_t* score_buffer = nullptr;  ///< [B][H]: the buffer (0 or 1) holding (b, h)'s scores
   std::uint8_t* appended = nullptr;      ///< [B][H]: 1 after an append, 0 after observe + evict
   std::uint64_t* streams = nullptr;      ///< [B]: random's request streams (null for other policies)
-  std::int32_t* victim_scratch = nullptr;  ///< [B][H][capacity] scratch: random's candidates, evict_to's holes
+  std::int32_t* victim_scratch = nullptr;  ///< [B][H][capacity] scratch of evict_to (its victims and holes)
   history_view history;                  ///< exact_greedy only (null pointers otherwise)
   device_workspace work;                 ///< the CUDA kernels' (unused on the host)
   decode_rule rule;
