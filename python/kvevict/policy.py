@@ -427,26 +427,15 @@ class BatchedPolicy:
         :meth:`prefill`. Returns int32 [num_seqs]: trailing pages of a paged
         prompt no longer needed. On CUDA it runs on torch's current stream.
         """
-        if not isinstance(cache, CacheView):
-            raise _ext.InvalidArgument(
-                "kvevict.prefill_key_norms: argument 'cache' must be a CacheView (K and V: the kept rows move)"
-            )
-        lengths = self._array(lengths, np.int32)
-        if max_length is None:
-            max_length = int(lengths.max()) if len(lengths) else 0
-        active = self._active(active)
-        if self._compiling() or self._cuda:
-            ops = self._ops()
-            return ops.prefill_key_norms(
-                self.state, self.descriptor, lengths, int(max_length), cache.k, cache.v, cache.page_table,
-                cache._code, active,
-            )  # fmt: skip
-        reclaimable = self._new_int32((self.num_seqs,), 0)
-        _ext.prefill(
-            self._desc, for_ext(self.state), for_ext(lengths), int(max_length), 4, None, None, 1.0, 0, cache._code,
-            cache._ext_k(), cache._ext_v(), for_ext(cache.page_table), for_ext(reclaimable), for_ext(active), None, 0,
+        return self._prefill_from_keys(
+            "prefill_key_norms", lengths, cache, max_length, active,
+            lambda lengths, m, active: self._ops().prefill_key_norms(
+                self.state, self.descriptor, lengths, m, cache.k, cache.v, cache.page_table, cache._code, active),
+            lambda lengths, m, reclaimable, active: _ext.prefill(
+                self._desc, for_ext(self.state), for_ext(lengths), m, 4, None, None, 1.0, 0, cache._code,
+                cache._ext_k(), cache._ext_v(), for_ext(cache.page_table), for_ext(reclaimable), for_ext(active),
+                None, 0),
         )  # fmt: skip
-        return reclaimable
 
     def prefill_key_diff(
         self,
@@ -481,24 +470,32 @@ class BatchedPolicy:
         computes every score (the anchor summed exactly, so the host and
         CUDA give the same bits).
         """
+        return self._prefill_from_keys(
+            "prefill_key_diff", lengths, cache, max_length, active,
+            lambda lengths, m, active: self._ops().prefill_key_diff(
+                self.state, self.descriptor, lengths, m, cache.k, cache.v, cache.page_table, cache._code, active),
+            lambda lengths, m, reclaimable, active: _ext.prefill_key_diff(
+                self._desc, for_ext(self.state), for_ext(lengths), m, cache._code, cache._ext_k(), cache._ext_v(),
+                for_ext(cache.page_table), for_ext(reclaimable), for_ext(active), None, 0),
+        )  # fmt: skip
+
+    def _prefill_from_keys(self, call: str, lengths: Any, cache: Any, max_length: Optional[int], active: Any,
+                           op: Any, ext: Any) -> Any:
+        """The prefills scored from the cached keys alone (key norms,
+        KeyDiff): checks the cache view, derives max_length, then runs the
+        torch op (compiling, or on CUDA) or the extension on the host."""
         if not isinstance(cache, CacheView):
             raise _ext.InvalidArgument(
-                "kvevict.prefill_key_diff: argument 'cache' must be a CacheView (K and V: the kept rows move)"
+                f"kvevict.{call}: argument 'cache' must be a CacheView (K and V: the kept rows move)"
             )
         lengths = self._array(lengths, np.int32)
         if max_length is None:
             max_length = int(lengths.max()) if len(lengths) else 0
         active = self._active(active)
         if self._compiling() or self._cuda:
-            return self._ops().prefill_key_diff(
-                self.state, self.descriptor, lengths, int(max_length), cache.k, cache.v, cache.page_table,
-                cache._code, active,
-            )  # fmt: skip
+            return op(lengths, int(max_length), active)
         reclaimable = self._new_int32((self.num_seqs,), 0)
-        _ext.prefill_key_diff(
-            self._desc, for_ext(self.state), for_ext(lengths), int(max_length), cache._code, cache._ext_k(),
-            cache._ext_v(), for_ext(cache.page_table), for_ext(reclaimable), for_ext(active), None, 0,
-        )  # fmt: skip
+        ext(lengths, int(max_length), reclaimable, active)
         return reclaimable
 
     def prefill_snapkv(
