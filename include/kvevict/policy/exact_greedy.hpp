@@ -157,7 +157,8 @@ class exact_greedy_policy : public policy_base<exact_greedy_policy> {
 
   /// Greedy removal over the prompt: evaluate every remaining token, drop the
   /// lowest (error, position) among the unprotected, until `budget` remain.
-  void select_keep(std::int32_t b, std::int32_t h, std::int32_t length, const float*, std::int32_t* keep) const {
+  void select_keep(std::int32_t b, std::int32_t h, std::int32_t length, const float*, std::int32_t,
+                   std::int32_t* keep) const {
     std::int32_t n = length;
     for (std::int32_t p = 0; p < n; ++p) keep[p] = p;
     if (length <= rule_.budget) return;

@@ -14,6 +14,7 @@
 // between are an exponential moving attention. At prefill the prompt row i
 // of L weighs decay^(L - 1 - i), the same sum the decode steps would give
 // (docs/semantics.md, "Scores").
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <vector>
@@ -100,8 +101,10 @@ class h2o_policy : public policy_base<h2o_policy> {
 
   const h2o_config& config() const noexcept { return config_; }
 
-  void select_keep(std::int32_t, std::int32_t, std::int32_t length, const float* score, std::int32_t* keep) const {
-    keep_top_keys(length, config_.sinks, kept_recent(config_.recent),
+  /// window: a SnapKV prefill's observation window, kept beside `recent`.
+  void select_keep(std::int32_t, std::int32_t, std::int32_t length, const float* score, std::int32_t window,
+                   std::int32_t* keep) const {
+    keep_top_keys(length, config_.sinks, std::max(config_.recent, window),
                   [score](std::int32_t p) { return eviction_key(score[p], p); }, keep);
   }
 

@@ -3,7 +3,7 @@
 // shared by every policy. A policy hands its decode decision to the base as
 // a decode_rule (decode_rules.hpp, which the batched backends run too) and
 // its prefill keep set through CRTP (select_keep(b, h, L, prefill_scores,
-// keep): positions, ascending); the base does the rest: slot bookkeeping,
+// window, keep): positions, ascending); the base does the rest: slot bookkeeping,
 // validated score updates from every input of score_inputs.hpp, eviction
 // with no K/V bytes moved, prefill compaction on any kv_view. Every public
 // call validates first and commits after: a thrown kvevict::error leaves the
@@ -491,10 +491,6 @@ class policy_base {
     return commit_prefill(w, b, length, &view);
   }
 
-  /// The newest positions a prefill keep set protects: `recent`, or the
-  /// observation window of a SnapKV prefill when that is longer.
-  std::int32_t kept_recent(std::int32_t recent) const noexcept { return std::max(recent, keep_window_); }
-
   /// Prefill scores of (h, p) written by the prefill overloads.
   const float* prefill_scores(std::int32_t h) const noexcept { return scratch_.data() + h * std::size_t(shape_.capacity); }
 
@@ -618,7 +614,7 @@ class policy_base {
   /// Selects every head's keep set from the prefill scores in scratch_, then
   /// moves the kept rows (if a view is given) and rewrites the slot table.
   /// `window`: the last `window` positions are kept beside the rule's
-  /// protection (SnapKV's observation window; kept_recent).
+  /// protection (SnapKV's observation window), passed to select_keep.
   template <class T, class Layout>
   prefill_result commit_prefill(const detail::site& w, std::int32_t b, std::int32_t length,
                                 const kv_view<T, Layout>* view, std::int32_t window = 0) {
@@ -627,10 +623,9 @@ class policy_base {
       require_distinct_pages(w, *view, b, length);
     }
     const std::int32_t kept = std::min(length, rule_.budget);
-    keep_window_ = window;
     for (std::int32_t h = 0; h < shape_.num_kv_heads; ++h)
-      derived().select_keep(b, h, length, prefill_scores(h), keep_.data() + std::size_t(h) * shape_.capacity);
-    keep_window_ = 0;
+      derived().select_keep(b, h, length, prefill_scores(h), window,
+                            keep_.data() + std::size_t(h) * shape_.capacity);
     for (std::int32_t h = 0; h < shape_.num_kv_heads; ++h) {
       const std::int32_t* keep = keep_.data() + std::size_t(h) * shape_.capacity;
       if (view) detail::compact_rows(*view, b, h, keep, kept, static_cast<T*>(nullptr));
@@ -672,7 +667,6 @@ class policy_base {
   std::vector<std::uint8_t> unobserved_;   // [B]: 1 from an append until its observe
   std::vector<std::int32_t> found_victims_;  // [B][Hkv]: the victims observe found
   std::vector<std::uint8_t> victims_found_;  // [B]: 1 while found_victims_ of b is current
-  std::int32_t keep_window_ = 0;             // commit_prefill's window while it selects
 };
 
 }  // namespace kvevict

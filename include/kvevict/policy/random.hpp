@@ -89,7 +89,8 @@ class random_policy : public policy_base<random_policy> {
 
   /// Sinks, the recent window, and a uniform random subset of the rest: each
   /// candidate gets a Philox priority, the highest priorities are kept.
-  void select_keep(std::int32_t b, std::int32_t h, std::int32_t length, const float*, std::int32_t* keep) const {
+  void select_keep(std::int32_t b, std::int32_t h, std::int32_t length, const float*, std::int32_t,
+                   std::int32_t* keep) const {
     keep_top_keys(
         length, config_.sinks, config_.recent,
         [&](std::int32_t p) {

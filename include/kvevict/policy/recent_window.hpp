@@ -48,7 +48,8 @@ class recent_window_policy : public policy_base<recent_window_policy> {
 
   const recent_window_config& config() const noexcept { return config_; }
 
-  void select_keep(std::int32_t, std::int32_t, std::int32_t length, const float*, std::int32_t* keep) const {
+  void select_keep(std::int32_t, std::int32_t, std::int32_t length, const float*, std::int32_t,
+                   std::int32_t* keep) const {
     keep_top_keys(length, config_.sinks, 0, [](std::int32_t p) { return p; }, keep);
   }
 
