@@ -35,10 +35,10 @@ class llama_engine {
       for (std::int32_t b = 0; b < groups[g].num_seqs; ++b) members_.push_back({static_cast<std::int32_t>(g), b});
     batch_ = static_cast<std::int32_t>(members_.size());
     caches_.resize(std::size_t(config.n_layers));
-    for (auto& layer : caches_)
+    for (std::int32_t l = 0; l < config.n_layers; ++l)
       for (const sequence_group& g : groups)
-        layer.emplace_back(g.policy, g.num_seqs, config.n_kv_heads, config.n_heads, config.head_dim, max_tokens,
-                           arithmetic.f16_attention);
+        caches_[std::size_t(l)].emplace_back(g.policy, g.num_seqs, config.n_kv_heads, config.n_heads, config.head_dim,
+                                             max_tokens, arithmetic.f16_attention, l);
     positions_.assign(std::size_t(batch_), 0);
     const std::size_t B = std::size_t(batch_), dim = std::size_t(config.dim);
     const std::size_t kv_dim = std::size_t(config.n_kv_heads) * std::size_t(config.head_dim);
@@ -61,6 +61,20 @@ class llama_engine {
   std::int32_t position(std::int32_t s) const { return positions_.at(std::size_t(s)); }
   /// Cache of `layer` for group g.
   const layer_cache& cache(std::int32_t layer, std::int32_t g) const { return caches_.at(std::size_t(layer)).at(std::size_t(g)); }
+
+  /// Sequence s's first `length` tokens form a prompt that its group's
+  /// prefill kind compresses (layer_cache::set_prompt); before s is fed.
+  void set_prompt(std::int32_t s, std::int32_t length) {
+    for_layers(s, [&](layer_cache& c, std::int32_t b) { c.set_prompt(b, length); });
+  }
+  /// Sequence s (a full cache) records its attention into r.
+  void set_record(std::int32_t s, attention_record* r) {
+    for_layers(s, [&](layer_cache& c, std::int32_t b) { c.set_record(b, r); });
+  }
+  /// Sequence s (a lookahead oracle) reads its future attention from r.
+  void set_future(std::int32_t s, const attention_record* r) {
+    for_layers(s, [&](layer_cache& c, std::int32_t b) { c.set_future(b, r); });
+  }
 
   /// Feeds tokens[s] to every sequence s; writes next-token logits, [batch][vocab].
   /// Bad input is rejected before anything changes; any other exception
@@ -114,6 +128,12 @@ class llama_engine {
   struct member {
     std::int32_t group, index;
   };
+
+  template <class F>
+  void for_layers(std::int32_t s, F&& f) {
+    const member m = members_.at(std::size_t(s));
+    for (auto& layer : caches_) f(layer[std::size_t(m.group)], m.index);
+  }
 
   // y = w x for the batch, in float, or as llama.cpp computes it.
   void multiply(const weight_matrix& w, const std::vector<float>& x, float* y) {

@@ -1,0 +1,111 @@
+#pragma once
+// What the fidelity programs share: loading the model's tokenizer, reading
+// numbers from the command line, and the policy names of docs/fidelity.md
+// turned into engine specs.
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <fstream>
+#include <iterator>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "tinyllm/gguf.hpp"
+#include "tinyllm/layer_cache.hpp"
+#include "tinyllm/tokenizer.hpp"
+
+namespace tinyllm {
+
+using clock_type = std::chrono::steady_clock;
+
+inline double seconds_since(clock_type::time_point t0) {
+  return std::chrono::duration<double>(clock_type::now() - t0).count();
+}
+
+inline int omp_threads() {
+#ifdef _OPENMP
+  return omp_get_max_threads();
+#else
+  return 1;
+#endif
+}
+
+inline std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw std::runtime_error("cannot read " + path);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+inline bpe_tokenizer tokenizer_from_gguf(const gguf_file& f) {
+  const std::string model = f.get_string("tokenizer.ggml.model");
+  if (model != "gpt2") throw format_error("tokenizer.ggml.model = \"" + model + "\", only byte-level BPE (gpt2) is supported");
+  return bpe_tokenizer(f.get_string_array("tokenizer.ggml.tokens"), f.get_string_array("tokenizer.ggml.merges"),
+                       pretokenizer_from_name(f.get_string_or("tokenizer.ggml.pre", "default")));
+}
+
+inline std::vector<std::string> split_list(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream in(s);
+  for (std::string item; std::getline(in, item, ',');)
+    if (!item.empty()) out.push_back(item);
+  return out;
+}
+
+/// Sinks of recent_window and of the *_protected rules (StreamingLLM's 4).
+constexpr std::int32_t eval_sinks = 4;
+/// The moving-attention decay between TOVA (0) and H2O (1) that `decayed`
+/// names: attention j steps ago weighs 0.9^j, a half-life of about 6.6 steps.
+constexpr float eval_decay = 0.9f;
+
+/// Decode-time rules (streamed prompt, teacher-forced text). h2o, tova,
+/// decayed and key_norm share H2O's split (the newest budget / 2 kept, the
+/// rest by score), so they differ only in the score; lookahead and topk are
+/// the oracles. Returns false for an unknown name.
+inline bool decode_spec(const std::string& name, std::int32_t budget, std::uint64_t seed, std::int32_t horizon,
+                        policy_spec& out) {
+  policy_spec s{policy_kind::full, budget, 0, seed};
+  const std::int32_t recent_half = budget / 2;
+  if (name == "h2o") s.kind = policy_kind::h2o;
+  else if (name == "tova") s.kind = policy_kind::h2o, s.decay = 0.0f;
+  else if (name == "decayed") s.kind = policy_kind::h2o, s.decay = eval_decay;
+  else if (name == "key_norm") s.kind = policy_kind::key_norm;
+  else if (name == "recent_window") s.kind = policy_kind::recent_window, s.sinks = eval_sinks;
+  else if (name == "recent_only") s.kind = policy_kind::recent_window;
+  else if (name == "random") s.kind = policy_kind::random;
+  else if (name == "random_protected") s.kind = policy_kind::random, s.sinks = eval_sinks, s.recent = recent_half;
+  else if (name == "exact_greedy") s.kind = policy_kind::exact_greedy;
+  else if (name == "exact_greedy_protected")
+    s.kind = policy_kind::exact_greedy, s.sinks = eval_sinks, s.recent = recent_half;
+  else if (name == "lookahead") s.kind = policy_kind::lookahead, s.horizon = horizon;
+  else if (name == "topk") s.kind = policy_kind::topk;
+  else return false;
+  out = s;
+  return true;
+}
+
+/// Prompt-compression rules: the prompt is processed with every key cached,
+/// then the library's prefill keeps the budget (H2O's split again) and the
+/// decode steps continue by the rule named: h2o for snapkv and key_diff.
+inline bool prefill_spec(const std::string& name, std::int32_t budget, policy_spec& out) {
+  policy_spec s{policy_kind::h2o, budget, 0, 0};
+  if (name == "h2o") s.prefill = prefill_kind::attention;
+  else if (name == "tova") s.prefill = prefill_kind::attention, s.decay = 0.0f;
+  else if (name == "key_norm") s.kind = policy_kind::key_norm, s.prefill = prefill_kind::key_norm;
+  else if (name == "key_diff") s.prefill = prefill_kind::key_diff;
+  else if (name == "snapkv") {
+    s.prefill = prefill_kind::snapkv;
+    s.snap_window = std::min(32, budget / 2);  // the paper's 32 rows, within the recent half at small budgets
+  } else if (name == "recent_window")
+    s.kind = policy_kind::recent_window, s.sinks = eval_sinks, s.prefill = prefill_kind::recent;
+  else return false;
+  out = s;
+  return true;
+}
+
+}  // namespace tinyllm
