@@ -14,6 +14,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <iterator>
+#include <memory>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -24,33 +25,30 @@
 #endif
 
 #include "tinyllm/engine.hpp"
-#include "tinyllm/gguf.hpp"
-#include "tinyllm/tokenizer.hpp"
+#include "tinyllm/eval_common.hpp"
 
 namespace {
 
 using namespace tinyllm;
-using clock_type = std::chrono::steady_clock;
 
 struct options {
   std::string mode = "eval";
   std::string model, text, out, json;
   std::int32_t window = 1024, windows = 4, offset = 0, positions = 1024;
   std::vector<int> budgets = {10, 20, 50};  // percent of the window
-  std::vector<std::string> policies = {"full",   "h2o",          "recent_window",   "recent_only",
-                                       "random", "random_protected", "exact_greedy", "exact_greedy_protected"};
+  std::vector<std::string> policies = {"full",     "h2o",          "tova",  "decayed", "recent_window",
+                                       "key_norm", "random_protected", "exact_greedy_protected", "lookahead", "topk"};
   std::uint64_t seed = 1;
+  std::int32_t horizon = 0;  // lookahead: future steps summed (0: the rest of the window)
   bool lse_check = false;
   numerics arithmetic;  // plain float
 };
 
-constexpr std::int32_t recent_window_sinks = 4;
+constexpr std::int32_t recent_window_sinks = eval_sinks;
 
 bool known_policy(const std::string& p) {
-  for (const char* name : {"full", "h2o", "recent_window", "recent_only", "random", "random_protected", "exact_greedy",
-                           "exact_greedy_protected"})
-    if (p == name) return true;
-  return false;
+  policy_spec probe;
+  return p == "full" || decode_spec(p, 100, 0, 0, probe);
 }
 
 [[noreturn]] void usage(const std::string& why) {
@@ -58,9 +56,11 @@ bool known_policy(const std::string& p) {
                "error: %s\n"
                "usage: kvevict_fidelity [eval|tokenize|score] --model FILE.gguf --text FILE.txt\n"
                "  eval:     [--window 1024] [--windows 4] [--offset 0] [--budgets 10,20,50]\n"
-               "            [--policies full,h2o,recent_window,recent_only,random,random_protected,\n"
-               "                        exact_greedy,exact_greedy_protected]\n"
-               "            (*_protected: 4 sinks and h2o's recent half never evicted)\n"
+               "            [--policies full,h2o,tova,decayed,recent_window,key_norm,random_protected,\n"
+               "                        exact_greedy_protected,lookahead,topk]\n"
+               "            (also recent_only, random, exact_greedy; *_protected: 4 sinks and h2o's\n"
+               "             recent half never evicted; lookahead, topk: the oracles)\n"
+               "            [--horizon 0 (lookahead's future steps; 0: the rest of the window)]\n"
                "            [--seed 1] [--lse-check] [--json FILE]\n"
                "  all:      [--numerics float|llama_cpp]  (default float; llama_cpp rounds as llama.cpp's CPU backend)\n"
                "  tokenize: --out FILE\n"
@@ -68,14 +68,6 @@ bool known_policy(const std::string& p) {
                "threads: OMP_NUM_THREADS\n",
                why.c_str());
   std::exit(2);
-}
-
-std::vector<std::string> split(const std::string& s) {
-  std::vector<std::string> out;
-  std::stringstream in(s);
-  for (std::string item; std::getline(in, item, ',');)
-    if (!item.empty()) out.push_back(item);
-  return out;
 }
 
 std::int32_t to_int(const std::string& flag, const std::string& v) {
@@ -115,10 +107,11 @@ options parse(int argc, char** argv) {
     else if (a == "--offset") o.offset = to_int(a, v);
     else if (a == "--positions") o.positions = to_int(a, v);
     else if (a == "--seed") o.seed = static_cast<std::uint64_t>(to_int(a, v));
-    else if (a == "--policies") o.policies = split(v);
+    else if (a == "--horizon") o.horizon = to_int(a, v);
+    else if (a == "--policies") o.policies = split_list(v);
     else if (a == "--budgets") {
       o.budgets.clear();
-      for (const std::string& b : split(v)) {
+      for (const std::string& b : split_list(v)) {
         const std::int32_t pct = to_int(a, b);
         if (pct < 1 || pct > 100) usage("--budgets are percentages in [1, 100], got " + b);
         o.budgets.push_back(pct);
@@ -146,19 +139,6 @@ options parse(int argc, char** argv) {
             " sinks and h2o's recent half");
   }
   return o;
-}
-
-std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw std::runtime_error("cannot read " + path);
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-}
-
-bpe_tokenizer tokenizer_from_gguf(const gguf_file& f) {
-  const std::string model = f.get_string("tokenizer.ggml.model");
-  if (model != "gpt2") throw format_error("tokenizer.ggml.model = \"" + model + "\", only byte-level BPE (gpt2) is supported");
-  return bpe_tokenizer(f.get_string_array("tokenizer.ggml.tokens"), f.get_string_array("tokenizer.ggml.merges"),
-                       pretokenizer_from_name(f.get_string_or("tokenizer.ggml.pre", "default")));
 }
 
 /// -log softmax(logits)[target] and the argmax (lowest id on ties).
@@ -193,30 +173,13 @@ std::vector<variant> make_variants(const options& o) {
       s.recent = recent;
       out.push_back({name, pct, s});
     };
-    // h2o's protection: its recent half, plus the sinks that recent_window keeps.
-    const std::int32_t h2o_recent = budget / 2;
     for (const std::string& p : o.policies) {  // names were checked by parse
-      if (p == "h2o") add(p, policy_kind::h2o, 0, score_source::probs);
-      if (p == "recent_window") add(p, policy_kind::recent_window, recent_window_sinks, score_source::probs);
-      if (p == "recent_only") add(p, policy_kind::recent_window, 0, score_source::probs);
-      if (p == "random") add(p, policy_kind::random, 0, score_source::probs);
-      if (p == "random_protected")
-        add(p, policy_kind::random, recent_window_sinks, score_source::probs, h2o_recent);
-      if (p == "exact_greedy") add(p, policy_kind::exact_greedy, 0, score_source::probs);
-      if (p == "exact_greedy_protected")
-        add(p, policy_kind::exact_greedy, recent_window_sinks, score_source::probs, h2o_recent);
+      policy_spec s;
+      if (p != "full" && decode_spec(p, budget, o.seed, o.horizon, s)) out.push_back({p, pct, s});
     }
     if (o.lse_check) add("h2o_lse", policy_kind::h2o, 0, score_source::lse);
   }
   return out;
-}
-
-int omp_threads() {
-#ifdef _OPENMP
-  return omp_get_max_threads();
-#else
-  return 1;
-#endif
 }
 
 /// For --lse-check, after step `step`: counts the (layer, window, KV head)
@@ -241,10 +204,6 @@ void count_same_slot_tables(const llama_engine& engine, const std::vector<varian
       }
     }
   }
-}
-
-double seconds_since(clock_type::time_point t0) {
-  return std::chrono::duration<double>(clock_type::now() - t0).count();
 }
 
 int run_tokenize(const options& o, const bpe_tokenizer& tok, const std::vector<std::int32_t>& ids) {
@@ -288,8 +247,32 @@ int run_eval(const options& o, const llama_config& c, const llama_weights& w, co
   const std::vector<variant> variants = make_variants(o);
   std::vector<sequence_group> groups;
   for (const variant& v : variants) groups.push_back({v.spec, windows});
+  // The look-ahead oracle reads the full cache's attention of its window,
+  // recorded first in a teacher-forced pass of the full cache alone.
+  std::vector<std::unique_ptr<attention_record>> records;
+  bool oracle = false;
+  for (const variant& v : variants) oracle = oracle || v.spec.kind == policy_kind::lookahead;
+  if (oracle) {
+    llama_engine teacher(c, w, {{{policy_kind::full, 0, 0, 0}, windows}}, length, o.arithmetic);
+    std::vector<std::int32_t> tokens(static_cast<std::size_t>(windows));
+    std::vector<float> logits(std::size_t(windows) * std::size_t(c.vocab));
+    for (std::int32_t win = 0; win < windows; ++win) {
+      records.push_back(std::make_unique<attention_record>(c.n_layers, c.n_kv_heads, length));
+      teacher.set_record(win, records.back().get());
+    }
+    const auto t0 = clock_type::now();
+    for (std::int32_t t = 0; t < length; ++t) {
+      for (std::int32_t win = 0; win < windows; ++win) tokens[std::size_t(win)] = ids[std::size_t(o.offset + win * length + t)];
+      teacher.step(tokens.data(), logits.data());
+    }
+    std::fprintf(stderr, "look-ahead oracle: full-cache attention of %d windows recorded in %.0f s\n", windows,
+                 seconds_since(t0));
+  }
   llama_engine engine(c, w, groups, length, o.arithmetic);
   const std::int32_t batch = engine.batch(), vocab = c.vocab;
+  for (std::int32_t s = 0; s < batch; ++s)
+    if (variants[std::size_t(s / windows)].spec.kind == policy_kind::lookahead)
+      engine.set_future(s, records[std::size_t(s % windows)].get());
   std::fprintf(stderr, "%d variants x %d windows of %d tokens = batch %d, %d threads\n", int(variants.size()), windows, length, batch,
                omp_threads());
 
@@ -368,7 +351,8 @@ int run_eval(const options& o, const llama_config& c, const llama_weights& w, co
     js << "{\n  \"model\": \"" << o.model.substr(o.model.find_last_of('/') + 1) << "\",\n"
        << "  \"text\": \"" << o.text.substr(o.text.find_last_of('/') + 1) << "\",\n"
        << "  \"window\": " << length << ", \"windows\": " << windows << ", \"offset\": " << o.offset << ", \"batch\": " << batch
-       << ", \"seconds\": " << elapsed << ", \"threads\": " << omp_threads() << ",\n  \"results\": [\n";
+       << ", \"seconds\": " << elapsed << ", \"threads\": " << omp_threads() << ", \"horizon\": " << o.horizon
+       << ",\n  \"results\": [\n";
     for (std::size_t g = 0; g < variants.size(); ++g) {
       js << "    {\"policy\": \"" << variants[g].name << "\", \"percent\": " << variants[g].percent
          << ", \"budget\": " << (variants[g].spec.kind == policy_kind::full ? length : variants[g].spec.budget)
