@@ -1,5 +1,5 @@
 """Redraws the figures in docs/img from the figures recorded in README.md and
-from the fidelity run in docs/data/fidelity.json (python3 docs/make_plots.py;
+from the fidelity run in docs/data/fidelity.json and needle.json (python3 docs/make_plots.py;
 needs matplotlib). The benchmark figures of docs/benchmarks.md are drawn by
 scripts/bench_report.py --write from the benchmark JSON."""
 import json
@@ -46,33 +46,80 @@ save(fig, "demo_20pct.png")
 with open(os.path.join(here, "data", "fidelity.json")) as f:
     run = json.load(f)
 rows = [r for r in run["results"] if r["policy"] not in ("full", "h2o_lse")]
-labels = {"h2o": "h2o (heavy + recent half)", "recent_window": "recent window, 4 sinks",
+labels = {"h2o": "h2o (heavy + recent half)", "tova": "TOVA (decay 0)", "decayed": "decayed attention, 0.9",
+          "recent_window": "recent window, 4 sinks", "key_norm": "key-norm",
           "recent_only": "recent only, 0 sinks", "random": "random, unprotected",
           "random_protected": "random, 4 sinks + recent half",
           "exact_greedy": "exact greedy (1-step oracle), unprotected",
-          "exact_greedy_protected": "exact greedy, 4 sinks + recent half"}
-styles = {"random_protected": "--", "exact_greedy_protected": "--"}
+          "exact_greedy_protected": "exact greedy, 4 sinks + recent half",
+          "lookahead": "oracle: look-ahead", "topk": "oracle: revocable top-k"}
+styles = {"random_protected": "--", "exact_greedy_protected": "--", "lookahead": ":", "topk": ":"}
 names = [p for p in labels if any(r["policy"] == p for r in rows)]
-fig, (a, b) = plt.subplots(1, 2, figsize=(10.5, 4.0))
+fig, (a, b) = plt.subplots(1, 2, figsize=(10.5, 4.2))
 for p in names:
     rs = sorted((r for r in rows if r["policy"] == p), key=lambda r: r["percent"])
     pct = [r["percent"] for r in rs]
     style = styles.get(p, "-")
-    a.plot(pct, [r["ppl_evicted"] / r["ppl_full_same_positions"] for r in rs], marker="o", ls=style, label=labels[p])
+    a.plot(pct, [100 * (r["ppl_evicted"] / r["ppl_full_same_positions"] - 1) for r in rs], marker="o", ls=style,
+           label=labels[p])
     b.plot(pct, [100 * r["top1_agreement"] for r in rs], marker="o", ls=style, label=labels[p])
-a.axhline(1.0, color="black", lw=0.8, ls=":", label="full cache")
 b.axhline(100.0, color="black", lw=0.8, ls=":")
-a.set_yscale("log")
+a.set_yscale("symlog", linthresh=1.0)
 a.yaxis.set_major_formatter(plain)
-a.yaxis.set_minor_formatter(plain)
-a.set_ylabel("perplexity / full cache's (log scale)")
+a.set_ylabel("perplexity increase over the full cache, % (symlog)")
 b.set_ylabel("% top-1 agreement with the full cache")
 for axis in (a, b):
     axis.set_xlabel("KV budget, % of the window")
     axis.set_xticks(sorted({r["percent"] for r in rows}))
 handles, names_ = a.get_legend_handles_labels()
 fig.legend(handles, names_, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=3, frameon=False)
-fig.suptitle(f"SmolLM2-135M on Botchan: {run['windows']} windows x {run['window']} tokens, "
+fig.suptitle(f"SmolLM2-135M on Botchan: {run['windows']} window(s) x {run['window']} tokens, "
              "positions after the first eviction")
 fig.tight_layout()
 save(fig, "fidelity.png")
+
+# Needle retrieval (docs/fidelity.md): one panel per setting and policy,
+# rows (budget, context length), columns needle depth, cells the share of
+# trials answered.
+needle_path = os.path.join(here, "data", "needle.json")
+if os.path.exists(needle_path):
+    with open(needle_path) as f:
+        needle = json.load(f)
+    res = needle["results"]
+    settings = {"full": "", "decode": "decode", "prefill_in": "prefill, Q in", "prefill_out": "prefill, Q out"}
+    panels = []
+    for r in res:
+        key = (r["setting"], r["policy"])
+        if key not in panels:
+            panels.append(key)
+    depths = sorted({d for r in res for d, _ in r["by_depth"]})
+    cols = 5
+    nrows = (len(panels) + cols - 1) // cols
+    fig, axes = plt.subplots(nrows, cols, figsize=(2.3 * cols, 1.9 * nrows), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.axis("off")
+    for ax, (setting, policy) in zip(axes.flat, panels):
+        rs = sorted((r for r in res if (r["setting"], r["policy"]) == (setting, policy)),
+                    key=lambda r: (r["percent"], r["length"]))
+        grid, ylabels = [], []
+        for r in rs:
+            cells = []
+            for d in depths:
+                hits = [ok for dd, ok in r["by_depth"] if dd == d]
+                cells.append(sum(hits) / len(hits) if hits else float("nan"))
+            grid.append(cells)
+            ylabels.append(f"{r['percent']}% {r['length']}")
+        ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+        for i, row in enumerate(grid):
+            for j, v in enumerate(row):
+                ax.text(j, i, f"{v:.0%}" if v == v else "", ha="center", va="center", fontsize=6)
+        ax.set_xticks(range(len(depths)))
+        ax.set_xticklabels([f"{d:g}" for d in depths], fontsize=6)
+        ax.set_yticks(range(len(ylabels)))
+        ax.set_yticklabels(ylabels, fontsize=6)
+        ax.set_title(f"{policy} {settings[setting]}".strip(), fontsize=8)
+    fig.supxlabel("needle depth (fraction of the haystack)", fontsize=9)
+    fig.supylabel("budget, context length (tokens)", fontsize=9)
+    fig.suptitle(f"Needle retrieval, SmolLM2-135M: share of {needle['words']} words answered per cell", fontsize=10)
+    fig.tight_layout()
+    save(fig, "needle.png")

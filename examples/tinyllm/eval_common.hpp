@@ -96,6 +96,7 @@ inline bool prefill_spec(const std::string& name, std::int32_t budget, policy_sp
   policy_spec s{policy_kind::h2o, budget, 0, 0};
   if (name == "h2o") s.prefill = prefill_kind::attention;
   else if (name == "tova") s.prefill = prefill_kind::attention, s.decay = 0.0f;
+  else if (name == "decayed") s.prefill = prefill_kind::attention, s.decay = eval_decay;
   else if (name == "key_norm") s.kind = policy_kind::key_norm, s.prefill = prefill_kind::key_norm;
   else if (name == "key_diff") s.prefill = prefill_kind::key_diff;
   else if (name == "snapkv") {

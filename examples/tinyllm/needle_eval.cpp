@@ -205,6 +205,15 @@ std::vector<std::vector<std::int32_t>> run_batch(const llama_config& c, const ll
   return answers;
 }
 
+void write_json(const options& o, const std::string& rows, double seconds) {
+  std::ofstream js(o.json);
+  js << "{\n  \"model\": \"" << o.model.substr(o.model.find_last_of('/') + 1) << "\",\n  \"text\": \""
+     << o.text.substr(o.text.find_last_of('/') + 1) << "\",\n  \"words\": " << o.words << ", \"generate\": " << o.generate
+     << ", \"offset\": " << o.offset << ", \"stride\": " << o.stride << ", \"horizon\": " << o.horizon
+     << ", \"seconds\": " << seconds << ", \"threads\": " << omp_threads() << ",\n  \"results\": [\n" << rows << "\n  ]\n}\n";
+  if (!js) throw std::runtime_error("cannot write " + o.json);
+}
+
 int run(const options& o, const llama_config& c, const llama_weights& w, const bpe_tokenizer& tok,
         const std::vector<std::int32_t>& ids) {
   const auto t0 = clock_type::now();
@@ -260,17 +269,10 @@ int run(const options& o, const llama_config& c, const llama_weights& w, const b
               cells + "]}";
     }
     std::fflush(stdout);
+    // after every length, so that a long run stopped early keeps what it measured
+    if (!o.json.empty()) write_json(o, rows, seconds_since(t0));
   }
-  const double elapsed = seconds_since(t0);
-  std::fprintf(stderr, "needle: %.0f s\n", elapsed);
-  if (!o.json.empty()) {
-    std::ofstream js(o.json);
-    js << "{\n  \"model\": \"" << o.model.substr(o.model.find_last_of('/') + 1) << "\",\n  \"text\": \""
-       << o.text.substr(o.text.find_last_of('/') + 1) << "\",\n  \"words\": " << o.words << ", \"generate\": " << o.generate
-       << ", \"offset\": " << o.offset << ", \"stride\": " << o.stride << ", \"horizon\": " << o.horizon
-       << ", \"seconds\": " << elapsed << ", \"threads\": " << omp_threads() << ",\n  \"results\": [\n" << rows << "\n  ]\n}\n";
-    if (!js) throw std::runtime_error("cannot write " + o.json);
-  }
+  std::fprintf(stderr, "needle: %.0f s\n", seconds_since(t0));
   return 0;
 }
 
