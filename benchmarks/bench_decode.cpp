@@ -25,6 +25,7 @@
 #include <limits>
 #include <numeric>
 #include <stdexcept>
+#include <type_traits>
 
 namespace {
 
@@ -241,21 +242,25 @@ void batched_queries_step(benchmark::State& state, scenario sc) {
   kvbench::report(state, sc.heads_total(), fx.bytes);
 }
 
-// ---- the key-norm path: scores from the cached keys alone ----
+// ---- the key-scored paths: key norms and KeyDiff, from the cached keys alone ----
 
 // Bytes: the cached keys of every occupied slot and the per-slot state (no
 // queries). Same protection as the h2o rows, decay 0 (key_norm_config).
-template <class T>
-void key_norm_step(benchmark::State& state, scenario sc, bool batched) {
+// KeyDiff also keeps its running anchor (key_diff_extent): per step it adds
+// the new key and subtracts the victim's, O(head_dim), beside the pass.
+template <class T, template <class, class> class Keys>
+void key_score_step(benchmark::State& state, scenario sc, bool batched) {
   queries_fixture<T> fx(sc);  // its cache; the queries go unused
   h2o_config config = h2o_setup::config(sc.slots - 1);
   config.decay = 0.0f;
   const auto view = fx.cache.view();
-  const key_norms<T, strided_layout> keys{view};
+  const Keys<T, strided_layout> keys{view};
   const std::int64_t bytes =
       sc.slots_total() * (std::int64_t(sc.head_dim) * std::int64_t(sizeof(T)) + kStateBytesPerSlot);
+  const history_extent extent =
+      std::is_same_v<Keys<T, strided_layout>, key_diff<T, strided_layout>> ? key_diff_extent(sc.head_dim) : history_extent{};
   if (batched) {
-    batched_policy<h2o_policy, device::host> layer(shape_of(sc), config);
+    batched_policy<h2o_policy, device::host> layer(shape_of(sc), config, extent);
     std::uint64_t status = batch_status_clear;
     batched_append_tokens(layer.state(), active_set::all(), sc.slots, &status);
     throw_if_error(status, "fill");
@@ -466,12 +471,19 @@ void register_queries(const scenario& sc) {
   benchmark::RegisterBenchmark(name("h2o_batched", "queries", sc, distribution::uniform, dtype.c_str()).c_str(),
                                batched_queries_step<T>, sc)
       ->Unit(unit_of(sc));
-  // Key-norm reads the same keys with no queries: its baseline is the rows above.
+  // Key-norm reads the same keys with no queries: its baseline is the rows
+  // above; KeyDiff's (a second dot product per key) is key-norm.
   benchmark::RegisterBenchmark(name("key_norm", "keys", sc, distribution::uniform, dtype.c_str()).c_str(),
-                               key_norm_step<T>, sc, false)
+                               key_score_step<T, key_norms>, sc, false)
       ->Unit(unit_of(sc));
   benchmark::RegisterBenchmark(name("key_norm_batched", "keys", sc, distribution::uniform, dtype.c_str()).c_str(),
-                               key_norm_step<T>, sc, true)
+                               key_score_step<T, key_norms>, sc, true)
+      ->Unit(unit_of(sc));
+  benchmark::RegisterBenchmark(name("key_diff", "keys", sc, distribution::uniform, dtype.c_str()).c_str(),
+                               key_score_step<T, key_diff>, sc, false)
+      ->Unit(unit_of(sc));
+  benchmark::RegisterBenchmark(name("key_diff_batched", "keys", sc, distribution::uniform, dtype.c_str()).c_str(),
+                               key_score_step<T, key_diff>, sc, true)
       ->Unit(unit_of(sc));
 }
 

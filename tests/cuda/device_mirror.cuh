@@ -127,7 +127,8 @@ struct host_state_mirror {
 };
 
 /// Compares two states: slot tables, appended flags, lengths, streams,
-/// history rows, and the current scores of occupied slots bit for bit.
+/// history rows, KeyDiff anchors, and the current scores of occupied slots
+/// bit for bit.
 inline void check_same_state(const kvevict::batch_state_view& want, const kvevict::batch_state_view& got) {
   for (std::int32_t b = 0; b < want.num_seqs(); ++b) {
     REQUIRE(got.slots.lengths[b] == want.slots.lengths[b]);
@@ -140,6 +141,14 @@ inline void check_same_state(const kvevict::batch_state_view& want, const kvevic
       CHECK(got.slots.next_slots[bh] == want.slots.next_slots[bh]);
       CHECK(got.appended[bh] == want.appended[bh]);
       if (want.history.rows) CHECK(got.history.rows[bh] == want.history.rows[bh]);
+      if (want.anchors.upto) {  // KeyDiff's running anchor, where it is current
+        REQUIRE(got.anchors.upto[bh] == want.anchors.upto[bh]);
+        if (want.anchors.upto[bh] >= 0) {
+          const std::size_t d = std::size_t(want.anchors.head_dim);
+          CHECK(std::memcmp(got.anchors.sums_of(b, h), want.anchors.sums_of(b, h), d * 8) == 0);
+          CHECK(std::memcmp(got.anchors.units_of(b, h), want.anchors.units_of(b, h), d * 4) == 0);
+        }
+      }
       for (std::int32_t s = 0; s < want.capacity(); ++s) {
         const std::int32_t p = want.slots.positions_of(b, h)[s];
         REQUIRE(got.slots.positions_of(b, h)[s] == p);

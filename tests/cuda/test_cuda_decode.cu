@@ -431,12 +431,16 @@ void run_split(std::uint32_t seed, input_kind kind, layout_kind layout) {
   });
 }
 
-/// Key-norm (key_norms input, key_norm_config): host and CUDA from the same
-/// keys, short rows filled from empty or long rows (several blocks each)
-/// filled at the start; at step `bad` a NaN goes into an occupied key of
-/// (0, 0) in both caches, a non_finite_kv that leaves that head unchanged.
-template <class T>
-void run_key_norms(std::uint32_t seed, layout_kind layout, std::int32_t group, bool long_rows) {
+/// The key-scored inputs (key_norm_config): key norms, or KeyDiff (a state
+/// sized with key_diff_extent, whose running anchors must match too): host
+/// and CUDA from the same keys, short rows filled from empty or long rows
+/// (several blocks each) filled at the start (KeyDiff's anchors then start
+/// stale: the first step counts every key); at step `bad` a NaN goes into
+/// an occupied key of (0, 0) in both caches, a non_finite_kv that leaves
+/// that head unchanged.
+template <class T, bool KeyDiff>
+void run_key_scores(std::uint32_t seed, layout_kind layout, std::int32_t group, bool long_rows) {
+  CAPTURE(KeyDiff);
   CAPTURE(seed);
   CAPTURE(std::string(kvtest::name(layout)));
   CAPTURE(group);
@@ -452,13 +456,14 @@ void run_key_norms(std::uint32_t seed, layout_kind layout, std::int32_t group, b
   const std::int32_t sinks = std::int32_t(rng() % 3), recent = 1 + std::int32_t(rng() % 3);
   const h2o_config config = key_norm_config(cap - 1 - sinks - recent, recent, sinks);
   const policy_shape shape{B, H, dm.q_heads(), cap};
-  batched_policy<h2o_policy> ref(shape, config);
-  batched_policy<h2o_policy, device::cuda> dev(shape, config);
+  const history_extent extent = KeyDiff ? key_diff_extent(dm.head_dim) : history_extent{};
+  batched_policy<h2o_policy> ref(shape, config, extent);
+  batched_policy<h2o_policy, device::cuda> dev(shape, config, extent);
   if (long_rows) {
     fill_state<h2o_policy>(ref.state(), rng, cap + 5);
     KVTEST_CUDA(gpu::copy_batch_state(dev.state(), ref.state(), cudaMemcpyHostToDevice, nullptr));
   }
-  kvtest::host_state_mirror<h2o_policy> mirror(shape, config);
+  kvtest::host_state_mirror<h2o_policy> mirror(shape, config, extent);
   const std::int32_t steps = long_rows ? 4 : 24, bad = steps - 2;
   kvtest::with_cache<T>(layout, B, H, cap, D, 16, [&](const auto& view) {
     using L = std::decay_t<decltype(view.layout)>;
@@ -492,8 +497,9 @@ void run_key_norms(std::uint32_t seed, layout_kind layout, std::int32_t group, b
       }
       std::vector<std::int32_t> want(std::size_t(B) * H, -7);
       KVTEST_CUDA(cudaMemcpy(victims.get(), want.data(), want.size() * 4, cudaMemcpyHostToDevice));
-      ref.observe_evict(key_norms<T, L>{view}, st.active_set(), want.data());
-      dev.observe_evict(key_norms<T, L>{dcache.view}, ds.active(st), victims.get());
+      using Input = std::conditional_t<KeyDiff, key_diff<T, L>, key_norms<T, L>>;
+      ref.observe_evict(Input{view}, st.active_set(), want.data());
+      dev.observe_evict(Input{dcache.view}, ds.active(st), victims.get());
       CHECK(victims.download() == want);
       CHECK(dev.status_word() == ref.status_word());
       if (step == bad && st.active(0)) CHECK(batch_status::unpack(ref.status_word()).code == batch_code::non_finite_kv);
@@ -542,9 +548,23 @@ TEST_CASE("cuda key_norms equals the host backend bit for bit: short and split r
       for (const bool long_rows : {false, true})
         for (int dtype = 0; dtype < 3; ++dtype, ++seed) {
           if (seed % stride != 0) continue;
-          if (dtype == 0) run_key_norms<float>(seed, layout, group, long_rows);
-          else if (dtype == 1) run_key_norms<kvevict::half>(seed, layout, group, long_rows);
-          else run_key_norms<kvevict::bfloat16>(seed, layout, group, long_rows);
+          if (dtype == 0) run_key_scores<float, false>(seed, layout, group, long_rows);
+          else if (dtype == 1) run_key_scores<kvevict::half, false>(seed, layout, group, long_rows);
+          else run_key_scores<kvevict::bfloat16, false>(seed, layout, group, long_rows);
+        }
+}
+
+TEST_CASE("cuda KeyDiff decode equals the host backend bit for bit: anchors, short and split rows, a NaN key") {
+  std::uint32_t seed = 101;
+  const int stride = kvtest::quick_stride(1);
+  for (const layout_kind layout : {layout_kind::bhsd, layout_kind::paged_hnd})
+    for (const std::int32_t group : {1, 4})
+      for (const bool long_rows : {false, true})
+        for (int dtype = 0; dtype < 3; ++dtype, ++seed) {
+          if (seed % stride != 0) continue;
+          if (dtype == 0) run_key_scores<float, true>(seed, layout, group, long_rows);
+          else if (dtype == 1) run_key_scores<kvevict::half, true>(seed, layout, group, long_rows);
+          else run_key_scores<kvevict::bfloat16, true>(seed, layout, group, long_rows);
         }
 }
 

@@ -37,7 +37,8 @@ class batched_policy<Policy, device::host> {
   using config_type = typename policy_traits<Policy>::config_type;
   using stream_type = device::host::stream_type;
 
-  /// exact_greedy also needs `history` (max tokens per sequence, head_dim).
+  /// exact_greedy also needs `history` (max tokens per sequence, head_dim);
+  /// h2o fed key_diff at decode time, key_diff_extent(head_dim).
   batched_policy(const policy_shape& shape, const config_type& config, const history_extent& history = {})
       : shape_(shape), memory_(batch_state_bytes<Policy>(shape, config, history)) {
     state_ = make_batch_state<Policy>(memory_.data(), memory_.size(), shape, config, history);

@@ -22,6 +22,8 @@
 #include "kvevict/kv_view.hpp"
 #include "kvevict/policy/decode_pass.hpp"
 #include "kvevict/policy/decode_rules.hpp"
+#include "kvevict/policy/evict_to.hpp"
+#include "kvevict/policy/key_diff_anchor.hpp"
 #include "kvevict/policy/leave_one_out.hpp"
 
 namespace kvevict {
@@ -189,19 +191,31 @@ std::uint64_t exact_greedy_head(const batch_state_view& st, std::int32_t b, std:
   return batch_status_clear;
 }
 
-template <class Head>
+/// head(b, h, victim) decides each stepped (b, h); a good one is committed,
+/// then committed(b, h, victim) runs (KeyDiff's anchor follows the victim).
+template <class Head, class Committed>
 void observe_evict_all(const batch_state_view& st, const active_set& active, std::int32_t* victims,
-                       std::uint64_t* status, Head head) {
+                       std::uint64_t* status, Head head, Committed committed) {
   for_each_active(st, active, status, [&](std::int32_t b) {
     for (std::int32_t h = 0; h < st.num_heads(); ++h) {
       if (observe_skips(st, active, b, h)) continue;
       std::int32_t victim = -1;
       const std::uint64_t problem = head(b, h, victim);
-      if (problem == batch_status_clear) commit_observe_evict(st, b, h, victim);
-      else record_status(status, problem);
+      if (problem == batch_status_clear) {
+        commit_observe_evict(st, b, h, victim);
+        committed(b, h, victim);
+      } else {
+        record_status(status, problem);
+      }
       if (victims) victims[st.head_index(b, h)] = problem == batch_status_clear ? victim : -1;
     }
   });
+}
+
+template <class Head>
+void observe_evict_all(const batch_state_view& st, const active_set& active, std::int32_t* victims,
+                       std::uint64_t* status, Head head) {
+  observe_evict_all(st, active, victims, status, head, [](std::int32_t, std::int32_t, std::int32_t) {});
 }
 
 }  // namespace detail
@@ -300,6 +314,33 @@ void batched_observe_evict(const batch_state_view& st, const active_set& active,
   detail::observe_evict_all(st, active, victims, status, [&](std::int32_t b, std::int32_t h, std::int32_t& victim) {
     return detail::observe_evict_head(st, b, h, source, victim);
   });
+}
+
+/// Observe + evict by KeyDiff (key_diff_anchor.hpp): each (b, h)'s anchor
+/// takes in the keys appended since its last step (or counts every cached
+/// key when stale), every cached key scores -cos(k, anchor), and the
+/// victim's key leaves the anchor. The state must be an h2o state with
+/// decay 0 sized with key_diff_extent(cache.head_dim).
+template <class T, class Layout>
+void batched_observe_evict(const batch_state_view& st, const active_set& active, const key_diff<T, Layout>& in,
+                           std::int32_t* victims, std::uint64_t* status) {
+  const detail::site w{"batch", "observe_evict"};
+  detail::require_state(w, st);
+  detail::require_active(w, active, st.num_seqs(), true);
+  detail::require_not_null(w, "status", status);
+  detail::require_input(w, st, in);
+  const score_source<key_diff<T, Layout>> source{in, st.anchors};
+  detail::observe_evict_all(
+      st, active, victims, status,
+      [&](std::int32_t b, std::int32_t h, std::int32_t& victim) {
+        const std::int64_t bh = st.head_index(b, h);
+        // A refused key leaves the anchor as it was; the slot pass names it.
+        detail::refresh_key_anchor(st.anchors, in.cache, b, h, st.slots.positions_of(b, h),
+                                   detail::occupied_end(st.slots.counts[bh], st.slots.next_slots[bh]),
+                                   st.slots.lengths[b]);
+        return detail::observe_evict_head(st, b, h, source, victim);
+      },
+      [&](std::int32_t b, std::int32_t h, std::int32_t victim) { detail::after_commit(source, st, b, h, victim); });
 }
 
 /// Observe + evict from queries + LSE, the logits recomputed from the keys

@@ -20,6 +20,7 @@
 #include "kvevict/batch/inputs.hpp"
 #include "kvevict/batch/state.hpp"
 #include "kvevict/batch/status.hpp"
+#include "kvevict/batch/step.hpp"
 #include "kvevict/batch/validate.hpp"
 #include "kvevict/kv_view.hpp"
 #include "kvevict/policy/evict_to.hpp"
@@ -81,6 +82,7 @@ evict_to_result evict_to_head(const batch_state_view& st, std::int32_t b, std::i
   evict_to_result r;
   r.freed = free_victims(count);
   if (r.freed == 0) return r;
+  mark_anchor_stale(st, bh);
   st.slots.counts[bh] = count - r.freed;
   r.moves = refill_holes(st.slots.positions_of(b, h), st.scores_of(b, h), st.spare_scores_of(b, h), count - r.freed,
                          st.rule.budget, end, scratch, st.slots.next_slots[bh], on_move);

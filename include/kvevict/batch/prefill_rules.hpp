@@ -307,6 +307,7 @@ KVEVICT_HOST_DEVICE inline void commit_prefill_counters(const batch_state_view& 
   st.slots.counts[bh] = kept;
   st.slots.next_slots[bh] = kept;  // kept <= budget < capacity
   st.appended[bh] = 0;
+  if (st.anchors.upto) st.anchors.upto[bh] = -1;  // a KeyDiff anchor counts the kept keys afresh
 }
 
 // ---- argument checks, shared with the CUDA launchers ----

@@ -22,6 +22,7 @@
 #include "kvevict/dtype/convert.hpp"
 #include "kvevict/kv_view.hpp"
 #include "kvevict/policy/decode_rules.hpp"
+#include "kvevict/policy/key_diff_anchor.hpp"
 
 namespace kvevict {
 namespace detail {
@@ -251,7 +252,64 @@ struct score_source<key_norms<T, Layout>> {
   }
 };
 
+/// KeyDiff: each slot's score is -cos(k, anchor) against the unit anchor
+/// of (b, h) that refresh_key_anchor wrote for this step
+/// (key_diff_anchor.hpp); per KV head, like key norms. A key whose norm is
+/// not finite is reported as non_finite_kv.
+template <class T, class Layout>
+struct score_source<key_diff<T, Layout>> {
+  static constexpr int items = 1;  ///< one key row per slot, as key norms
+  static constexpr int min_blocks = 2;
+  key_diff<T, Layout> in;
+  key_anchor_view anchors;
+
+  KVEVICT_HOST_DEVICE std::int32_t columns() const noexcept { return in.cache.capacity; }
+  KVEVICT_HOST_DEVICE std::uint64_t check_head_share(std::int32_t, std::int32_t, std::int32_t,
+                                                     std::int32_t) const noexcept {
+    return head_check::none;
+  }
+  template <int N>
+  KVEVICT_HOST_DEVICE void fold_items(std::int32_t b, std::int32_t h, const std::int32_t (&s)[N],
+                                      slot_increment (&inc)[N]) const noexcept {
+    KVEVICT_UNROLL
+    for (int u = 0; u < N; ++u) inc[u] = increment(b, h, s[u]);
+  }
+  KVEVICT_HOST_DEVICE slot_increment increment(std::int32_t b, std::int32_t h, std::int32_t s) const noexcept {
+    slot_increment out;
+    if (!row_is_mapped(in.cache, b, s)) {
+      out.code = batch_code::bad_page;
+      return out;
+    }
+    const T* k = in.cache.k_row(b, h, s);
+    const float norm = key_length(k, in.cache.head_dim);
+    if (classify_input(norm, false) != batch_code::ok) {
+      out.value = norm;
+      out.code = batch_code::non_finite_kv;
+      return out;
+    }
+    out.value = key_diff_score(k, anchors.units_of(b, h), in.cache.head_dim, norm);
+    return out;
+  }
+};
+
 namespace detail {
+
+/// What a source keeps beside the scores follows the commit of (b, h)'s
+/// step (commit_observe_evict, which left a KeyDiff anchor stale if it
+/// evicted): nothing for most sources.
+template <class Source>
+KVEVICT_HOST_DEVICE void after_commit(const Source&, const batch_state_view&, std::int32_t, std::int32_t,
+                                      std::int32_t) noexcept {}
+
+/// KeyDiff: the victim's key leaves the anchor, which is current again.
+KVEVICT_EXEC_CHECK_DISABLE
+template <class T, class Layout>
+KVEVICT_HOST_DEVICE void after_commit(const score_source<key_diff<T, Layout>>& source, const batch_state_view& st,
+                                      std::int32_t b, std::int32_t h, std::int32_t victim) noexcept {
+  if (victim < 0) return;
+  remove_from_key_anchor(source.anchors, source.in.cache, b, h, victim);
+  source.anchors.upto[st.head_index(b, h)] = st.slots.lengths[b];
+}
 
 /// Thread t of n's share of the checks of (b, h) before observe + evict
 /// reads its slots (head_check; reduce the shares by their minimum): an

@@ -25,6 +25,7 @@
 #include "kvevict/batch/row_partial.hpp"
 #include "kvevict/config.hpp"
 #include "kvevict/error.hpp"
+#include "kvevict/policy/key_diff_anchor.hpp"
 #include "kvevict/policy/decode_rules.hpp"
 #include "kvevict/policy/leave_one_out.hpp"
 #include "kvevict/policy/policy_shape.hpp"
@@ -52,11 +53,17 @@ struct history_view {
   }
 };
 
-/// Sizes exact_greedy's history needs; zero for the other policies.
+/// Sizes of what a state keeps of the K rows: exact_greedy's history
+/// (max_tokens and head_dim), or h2o's KeyDiff anchors (head_dim only, see
+/// key_diff_extent; recent_window and random ignore it); zero for neither.
 struct history_extent {
-  std::int32_t max_tokens = 0;  ///< the longest a sequence may grow
+  std::int32_t max_tokens = 0;  ///< the longest a sequence may grow (exact_greedy)
   std::int32_t head_dim = 0;
 };
+
+/// The extent of an h2o state that takes key_diff at decode time: a running
+/// anchor of head_dim components per (sequence, KV head).
+inline history_extent key_diff_extent(std::int32_t head_dim) noexcept { return history_extent{0, head_dim}; }
 
 /// evict_to's plan of one (b, h) on CUDA, kept between its kernels: the row
 /// as it was, how many tokens it keeps (-1: the head stays unchanged) and
@@ -90,6 +97,7 @@ struct batch_state_view {
   std::uint64_t* streams = nullptr;      ///< [B]: random's request streams (null for other policies)
   std::int32_t* victim_scratch = nullptr;  ///< [B][H][capacity] scratch of evict_to (its victims and holes)
   history_view history;                  ///< exact_greedy only (null pointers otherwise)
+  key_anchor_view anchors;               ///< KeyDiff's running anchors: h2o sized by key_diff_extent (else null)
   device_workspace work;                 ///< the CUDA kernels' (unused on the host)
   decode_rule rule;
   std::int32_t num_q_heads = 0;
@@ -169,6 +177,13 @@ class state_carver {
   std::size_t offset_;
 };
 
+/// Whether a state keeps KeyDiff anchors: a policy that evicts by score
+/// (h2o) given a head_dim; the others ignore it, as they ignore the scores.
+template <class Policy>
+bool keeps_anchors(const decode_rule& rule, const history_extent& history) noexcept {
+  return !policy_traits<Policy>::has_history && history.head_dim > 0 && rule.victim == victim_rule::lowest_score;
+}
+
 template <class Policy>
 batch_state_view carve_state(void* memory, const policy_shape& shape, const decode_rule& rule,
                              const history_extent& history, std::size_t* bytes) {
@@ -200,6 +215,14 @@ batch_state_view carve_state(void* memory, const policy_shape& shape, const deco
     hv.cached = c.take<std::uint8_t>(rows);
     hv.work = c.take<double>(heads * hv.work_doubles());
   }
+  if (keeps_anchors<Policy>(rule, history)) {
+    key_anchor_view& a = v.anchors;
+    a.num_heads = shape.num_kv_heads;
+    a.head_dim = history.head_dim;
+    a.sums = c.take<std::int64_t>(heads * history.head_dim);
+    a.units = c.take<float>(heads * history.head_dim);
+    a.upto = c.take<std::int32_t>(heads);
+  }
   device_workspace& dw = v.work;
   if (max_row_chunks(shape.capacity) > 1) dw.partials = c.take<row_partial>(heads * max_row_chunks(shape.capacity));
   dw.arrivals = c.take<std::uint32_t>(heads);
@@ -214,8 +237,14 @@ batch_state_view carve_state(void* memory, const policy_shape& shape, const deco
 }
 
 template <class Policy>
-void require_history_extent(const site& w, const policy_shape& shape, const history_extent& history) {
-  if (!policy_traits<Policy>::has_history) return;
+void require_history_extent(const site& w, const policy_shape& shape, const decode_rule& rule,
+                            const history_extent& history) {
+  if (!policy_traits<Policy>::has_history) {  // KeyDiff's anchors, or nothing
+    if (history.head_dim < 0) fail<invalid_argument>(w, "history.head_dim", "= ", history.head_dim, " is negative");
+    if (keeps_anchors<Policy>(rule, history))
+      require_allocation(w, "history.head_dim", 12.0L * shape.num_seqs * shape.num_kv_heads * history.head_dim);
+    return;
+  }
   require_positive(w, "history.head_dim", history.head_dim);
   if (history.max_tokens < shape.capacity)
     fail<invalid_argument>(w, "history.max_tokens", "= ", history.max_tokens, " is below the capacity ",
@@ -243,7 +272,7 @@ std::size_t batch_state_bytes(const policy_shape& shape, const typename policy_t
                                batch_status_limits::max_heads);
   if (shape.capacity > batch_status_limits::max_index)
     detail::fail<out_of_range>(w, "shape.capacity", "= ", shape.capacity, " exceeds ", batch_status_limits::max_index);
-  detail::require_history_extent<Policy>(w, shape, history);
+  detail::require_history_extent<Policy>(w, shape, rule, history);
   std::size_t bytes = 0;
   detail::carve_state<Policy>(nullptr, shape, rule, history, &bytes);
   return bytes;

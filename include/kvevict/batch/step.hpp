@@ -83,6 +83,7 @@ KVEVICT_HOST_DEVICE inline void commit_observe_evict(const batch_state_view& st,
   st.score_buffer[bh] = static_cast<std::uint8_t>(1 - buffer);
   st.appended[bh] = 0;
   if (victim < 0) return;
+  if (st.anchors.upto) st.anchors.upto[bh] = -1;  // the anchor still counts the victim (KeyDiff follows up)
   st.slots.positions_of(b, h)[victim] = -1;
   st.buffer_of(b, h, 1 - buffer)[victim] = 0.0f;  // the updated scores, now current
   st.buffer_of(b, h, buffer)[victim] = 0.0f;
@@ -119,6 +120,13 @@ KVEVICT_HOST_DEVICE inline void clear_head_counters(const batch_state_view& st, 
   st.score_buffer[bh] = 0;
   st.appended[bh] = 0;
   if (st.history.rows) st.history.rows[bh] = 0;
+  if (st.anchors.upto) st.anchors.upto[bh] = -1;
+}
+
+/// The anchor of (b, h), if the state keeps one, no longer follows its
+/// cached tokens (evict_to, prefill): the next KeyDiff step counts afresh.
+KVEVICT_HOST_DEVICE inline void mark_anchor_stale(const batch_state_view& st, std::int64_t bh) noexcept {
+  if (st.anchors.upto) st.anchors.upto[bh] = -1;
 }
 
 }  // namespace detail

@@ -126,7 +126,21 @@ void require_cache(const site& w, const batch_state_view& st, const kv_view<T, L
 template <class T, class Layout>
 void require_input(const site& w, const batch_state_view& st, const key_norms<T, Layout>& in) {
   require_cache(w, st, in.cache);
-  require_key_norm_decay(w, st.rule.victim == victim_rule::lowest_score, st.rule.decay);
+  require_replacing_decay(w, "key_norms", st.rule.victim == victim_rule::lowest_score, st.rule.decay);
+}
+
+/// KeyDiff at decode time: an h2o state (decay 0) sized with key_diff_extent.
+template <class T, class Layout>
+void require_input(const site& w, const batch_state_view& st, const key_diff<T, Layout>& in) {
+  require_cache(w, st, in.cache);
+  if (st.rule.victim != victim_rule::lowest_score)
+    fail<invalid_argument>(w, "in", "is key_diff, whose scores need a rule that evicts by score (h2o)");
+  require_replacing_decay(w, "key_diff", true, st.rule.decay);
+  if (!st.anchors.upto)
+    fail<invalid_argument>(w, "state", "has no KeyDiff anchors: size it with key_diff_extent(head_dim)");
+  if (st.anchors.head_dim != in.cache.head_dim)
+    fail<invalid_argument>(w, "in.cache.head_dim", "= ", in.cache.head_dim, ", the state's KeyDiff anchors have ",
+                           st.anchors.head_dim);
 }
 
 template <class Q, class T, class Layout>

@@ -31,7 +31,7 @@ class batched_policy<Policy, device::cuda> {
   using stream_type = cudaStream_t;
 
   /// Allocates and initialises the state on `stream` (and waits for it).
-  /// exact_greedy also needs `history`.
+  /// exact_greedy also needs `history`; h2o fed key_diff, key_diff_extent(head_dim).
   batched_policy(const policy_shape& shape, const config_type& config, const history_extent& history = {},
                  cudaStream_t stream = nullptr)
       : shape_(shape), bytes_(batch_state_bytes<Policy>(shape, config, history)) {

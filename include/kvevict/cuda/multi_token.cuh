@@ -335,6 +335,7 @@ __global__ void __launch_bounds__(BlockThreads)
     }
   }
   if (at.chunk == 0 && threadIdx.x == 0) {
+    if (victims > 0) kvevict::detail::mark_anchor_stale(st, at.bh);
     st.slots.counts[at.bh] = plan.kept;
     st.slots.next_slots[at.bh] = refill.next_slot();
     if (results) results[at.bh] = kMoveRows ? victims : refill.moves;

@@ -12,7 +12,9 @@
 // split from the SM count, so one sequence of 128K slots fills the GPU):
 // each block leaves its row_partial in the state's workspace, and the last
 // block of the row to arrive merges them and commits. Rows of one chunk
-// commit directly. exact_greedy has its own kernel (exact_greedy.cuh). Same
+// commit directly. exact_greedy has its own kernel (exact_greedy.cuh);
+// KeyDiff a launch before this one that refreshes its anchors
+// (key_anchor.cuh). Same
 // decisions and status word, bit for bit, as batched_observe_evict on the
 // host (batch/host_backend.hpp).
 #include <cub/block/block_reduce.cuh>
@@ -31,6 +33,7 @@
 #include "kvevict/config.hpp"
 #include "kvevict/cuda/device_helpers.cuh"
 #include "kvevict/cuda/exact_greedy.cuh"
+#include "kvevict/cuda/key_anchor.cuh"
 #include "kvevict/policy/decode_rules.hpp"
 
 namespace kvevict {
@@ -60,14 +63,16 @@ __device__ inline row_partial load_partial(const row_partial* p) {
 /// Thread 0, once a row is reduced: refuse it (status word, victim -1,
 /// nothing changes) or commit its victim, from the values the block read at
 /// its start (no load before the stores).
-__device__ inline void finish_row(const batch_state_view& st, std::int32_t b, std::int32_t h, std::int32_t count,
-                                  std::int32_t buffer, const row_partial& total, std::int32_t* victims,
-                                  std::uint64_t* status) {
+template <class Source>
+__device__ void finish_row(const batch_state_view& st, const Source& source, std::int32_t b, std::int32_t h,
+                           std::int32_t count, std::int32_t buffer, const row_partial& total, std::int32_t* victims,
+                           std::uint64_t* status) {
   const std::int64_t bh = st.head_index(b, h);
   const std::uint64_t word = total.status_word(b, h);
   if (word != batch_status_clear) return give_up(bh, word, victims, status);
   const std::int32_t victim = count > st.rule.budget ? total.slot : -1;
   kvevict::detail::commit_observe_evict(st, b, h, victim, buffer, count);
+  kvevict::detail::after_commit(source, st, b, h, victim);
   if (victims) victims[bh] = victim;
 }
 
@@ -131,7 +136,7 @@ __global__ void __launch_bounds__(decode_tuning::threads, Source::min_blocks)
   part = reduce(temp).Reduce(part, merge_partials{});
   if (!live) return;
   if (chunks == 1) {
-    if (t == 0) finish_row(st, b, h, count, buffer, part, victims, status);
+    if (t == 0) finish_row(st, source, b, h, count, buffer, part, victims, status);
     return;
   }
 
@@ -152,7 +157,7 @@ __global__ void __launch_bounds__(decode_tuning::threads, Source::min_blocks)
   total = reduce(temp).Reduce(total, merge_partials{});
   if (t == 0) {
     st.work.arrivals[bh] = 0;
-    finish_row(st, b, h, count, buffer, total, victims, status);
+    finish_row(st, source, b, h, count, buffer, total, victims, status);
   }
 }
 
@@ -209,6 +214,25 @@ cudaError_t observe_evict_split(const batch_state_view& st, const active_set& ac
                               stream, split);
 }
 
+/// Observe + evict by KeyDiff with a given split: the anchors' refresh,
+/// then the pass over the keys, whose finishing block takes the victim out
+/// of its anchor.
+template <class T, class Layout>
+cudaError_t observe_evict_split(const batch_state_view& st, const active_set& active, const key_diff<T, Layout>& in,
+                                std::int32_t* victims, std::uint64_t* status, cudaStream_t stream,
+                                const row_split& split) {
+  const kvevict::detail::site w{"cuda", "observe_evict"};
+  require_common(w, st, active, status);
+  kvevict::detail::require_input(w, st, in);
+  if (std::size_t(in.cache.head_dim) * (sizeof(unsigned long long) + sizeof(float)) > 48 * 1024)
+    kvevict::detail::fail<invalid_argument>(w, "in.cache.head_dim", "= ", in.cache.head_dim,
+                                            " needs more than 48 KiB of shared memory for KeyDiff's anchor");
+  const cudaError_t e = launch_refresh_key_anchor(st, active, in, stream);
+  if (e != cudaSuccess) return e;
+  return launch_observe_evict(st, active, score_source<key_diff<T, Layout>>{in, st.anchors}, victims, status, stream,
+                              split);
+}
+
 /// Observe + evict from queries + LSE with a given split; exact_greedy (a
 /// state with a history) runs its own kernel, one block per (b, h).
 template <class Q, class T, class Layout>
@@ -241,6 +265,17 @@ cudaError_t batched_observe_evict(const batch_state_view& st, const active_set& 
                                   std::int32_t* victims, std::uint64_t* status, cudaStream_t stream) {
   return detail::observe_evict_split(st, active, in, victims, status, stream,
                                      detail::default_split<score_source<Input>>(st, active));
+}
+
+/// Observe + evict by KeyDiff (device memory): each (b, h)'s running anchor
+/// takes in its new keys, every cached key scores -cos(k, anchor), the
+/// victim leaves the anchor; an h2o state with decay 0 sized with
+/// key_diff_extent(cache.head_dim). The same decisions as the host's.
+template <class T, class Layout>
+cudaError_t batched_observe_evict(const batch_state_view& st, const active_set& active, const key_diff<T, Layout>& in,
+                                  std::int32_t* victims, std::uint64_t* status, cudaStream_t stream) {
+  return detail::observe_evict_split(st, active, in, victims, status, stream,
+                                     detail::default_split<score_source<key_diff<T, Layout>>>(st, active));
 }
 
 /// Observe + evict from queries + LSE (device memory), the logits recomputed

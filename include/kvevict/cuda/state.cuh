@@ -82,6 +82,12 @@ inline cudaError_t init_batch_state(const batch_state_view& st, cudaStream_t str
     if (e == cudaSuccess) e = cudaMemsetAsync(st.history.values, 0, bytes, stream);
     if (e != cudaSuccess) return e;
   }
+  if (st.anchors.sums) {  // stale after the reset; zeroed so that every byte is defined
+    const std::size_t components = heads * std::size_t(st.anchors.head_dim);
+    e = cudaMemsetAsync(st.anchors.sums, 0, components * sizeof(std::int64_t), stream);
+    if (e == cudaSuccess) e = cudaMemsetAsync(st.anchors.units, 0, components * sizeof(float), stream);
+    if (e != cudaSuccess) return e;
+  }
   return reset_batch_sequences(st, active_set::all(), nullptr, nullptr, stream);
 }
 
@@ -94,7 +100,8 @@ inline cudaError_t copy_batch_state(const batch_state_view& dst, const batch_sta
   if (dst.num_seqs() != src.num_seqs() || dst.num_heads() != src.num_heads() || dst.capacity() != src.capacity() ||
       (dst.streams == nullptr) != (src.streams == nullptr) ||
       (dst.history.keys == nullptr) != (src.history.keys == nullptr) ||
-      dst.history.max_tokens != src.history.max_tokens || dst.history.head_dim != src.history.head_dim)
+      dst.history.max_tokens != src.history.max_tokens || dst.history.head_dim != src.history.head_dim ||
+      (dst.anchors.sums == nullptr) != (src.anchors.sums == nullptr) || dst.anchors.head_dim != src.anchors.head_dim)
     kvevict::detail::fail<invalid_argument>(w, "dst", "does not have the shape of src");
   const std::int64_t heads = std::int64_t{src.num_seqs()} * src.num_heads(), slots = heads * src.capacity();
   cudaError_t e = cudaSuccess;
@@ -114,6 +121,11 @@ inline cudaError_t copy_batch_state(const batch_state_view& dst, const batch_sta
     copy(dst.history.keys, src.history.keys, rows * src.history.head_dim * 4);
     copy(dst.history.values, src.history.values, rows * src.history.head_dim * 4);
     copy(dst.history.rows, src.history.rows, heads * 4);
+  }
+  if (src.anchors.sums) {
+    copy(dst.anchors.sums, src.anchors.sums, heads * src.anchors.head_dim * 8);
+    copy(dst.anchors.units, src.anchors.units, heads * src.anchors.head_dim * 4);
+    copy(dst.anchors.upto, src.anchors.upto, heads * 4);
   }
   return e;
 }

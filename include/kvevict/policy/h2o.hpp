@@ -15,6 +15,7 @@
 // of L weighs decay^(L - 1 - i), the same sum the decode steps would give
 // (docs/semantics.md, "Scores").
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <vector>
@@ -22,6 +23,7 @@
 #include "kvevict/error.hpp"
 #include "kvevict/order.hpp"
 #include "kvevict/policy/key_diff.hpp"
+#include "kvevict/policy/key_diff_anchor.hpp"
 #include "kvevict/policy/policy_base.hpp"
 #include "kvevict/policy/prefill_scores.hpp"
 #include "kvevict/policy/snapkv.hpp"
@@ -108,7 +110,48 @@ class h2o_policy : public policy_base<h2o_policy> {
                   [score](std::int32_t p) { return eviction_key(score[p], p); }, keep);
   }
 
+  using policy_base::observe;
   using policy_base::prefill;
+
+  /// KeyDiff decode step (key_diff_anchor.hpp): every cached key's score
+  /// becomes -cos(k, anchor), the anchor the running sum of the unit keys
+  /// cached now (the new tokens added, O(head_dim) each; a fresh count
+  /// after evict_to, prefill, reset or an evict on other scores), so the
+  /// victim is the unprotected key most like the others. Needs decay 0
+  /// (key_norm_config). Above the budget, the victims observe finds leave
+  /// the anchor here: evict has no view to read their keys.
+  template <class T, class Layout>
+  void observe(std::int32_t b, const key_diff<T, Layout>& in) {
+    const detail::site w = where("observe");
+    require_observable(w, b);
+    detail::require_policy_view(w, shape(), in.cache);
+    detail::require_replacing_decay(w, "key_diff", true, rule().decay);
+    const std::int32_t width = slots_.occupied_width(b), heads = shape().num_kv_heads, d = in.cache.head_dim;
+    require_rows(w, in.cache, b, width, occupied(b));
+    const key_anchor_view a = anchors_.sized(shape().num_seqs, heads, d);
+    for (std::int32_t h = 0; h < heads; ++h) {
+      const std::int32_t* pos = slots_.positions_of(b, h);
+      const std::int32_t bad = detail::refresh_key_anchor(a, in.cache, b, h, pos, width, slots_.length(b));
+      float* out = scratch_.data() + std::size_t(h) * shape().capacity;
+      for (std::int32_t s = 0; s < width; ++s) {
+        if (pos[s] < 0) continue;
+        const float norm = key_length(in.cache.k_row(b, h, s), d);  // an old key too: the engine may overwrite it
+        if (s == bad || !std::isfinite(norm))
+          detail::fail_state<non_finite_error>(w, "||cache.k||[", h, "][", s, "] of sequence ", b,
+                                               " is not finite: KeyDiff needs finite keys");
+        out[s] = key_diff_score(in.cache.k_row(b, h, s), a.units_of(b, h), d, norm);
+      }
+    }
+    commit_increments(w, b, width);
+    if (slots_.count(b, 0) <= budget() || !victims_found_[std::size_t(b)]) return;
+    for (std::int32_t h = 0; h < heads; ++h) {
+      const std::int32_t victim = found_victims_[std::size_t(head_index(b, h))];
+      if (victim >= 0) remove_from_key_anchor(a, in.cache, b, h, victim);
+    }
+    anchors_.expect_eviction(b);
+  }
+
+  void on_cached_change(std::int32_t b, cached_change c) noexcept { anchors_.changed(b, c); }
 
   /// KeyDiff prefill (key_diff.hpp): position p scores -cos(k_p, anchor),
   /// the anchor the sum of the unit prompt keys of its head; the least
@@ -174,6 +217,7 @@ class h2o_policy : public policy_base<h2o_policy> {
   }
 
   h2o_config config_;
+  key_anchor_store anchors_;  // KeyDiff's, sized by its first observe
 };
 
 }  // namespace kvevict

@@ -93,16 +93,39 @@ KVEVICT_HOST_DEVICE inline float key_diff_unit_anchor(float component, float len
   return length == 0.0f ? 0.0f : detail::div(component, length);
 }
 
-/// score(p) of the header for key row k against the unit anchor u:
-/// -(u . k) / ||k|| (0 for a zero key or a zero anchor, never -0). Not
+/// score(p) of the header for key row k of norm key_length(k) against the
+/// unit anchor u: -(u . k) / ||k|| (0 for a zero key or a zero anchor,
+/// never -0). Not
 /// finite when the key's norm is not: the callers check key_length first
 /// and report non_finite_kv.
 template <class K>
-KVEVICT_HOST_DEVICE inline float key_diff_score(const K* k, const float* unit_anchor, std::int32_t head_dim) noexcept {
-  const float norm = key_length(k, head_dim);
+KVEVICT_HOST_DEVICE inline float key_diff_score(const K* k, const float* unit_anchor, std::int32_t head_dim,
+                                                float norm) noexcept {
   if (norm == 0.0f) return 0.0f;
   const float cosine = detail::div(attention_logit(unit_anchor, 1, k, head_dim), norm);
   return cosine == 0.0f ? 0.0f : -cosine;
+}
+
+/// The same with the key's norm computed here.
+template <class K>
+KVEVICT_HOST_DEVICE inline float key_diff_score(const K* k, const float* unit_anchor, std::int32_t head_dim) noexcept {
+  return key_diff_score(k, unit_anchor, head_dim, key_length(k, head_dim));
+}
+
+/// unit[e] = u_e from the anchor's fixed-point sums, by the pieces above.
+KVEVICT_HOST_DEVICE inline void key_diff_unit_anchor_from(const std::int64_t* sums, std::int32_t head_dim,
+                                                          float* unit) noexcept {
+  for (std::int32_t e = 0; e < head_dim; ++e) unit[e] = key_diff_anchor_value(sums[e]);
+  const float length = key_diff_anchor_length(unit, head_dim);
+  for (std::int32_t e = 0; e < head_dim; ++e) unit[e] = key_diff_unit_anchor(unit[e], length);
+}
+
+/// sums += sign * n(k) for key row k of norm key_length(k) (sign +1 adds a
+/// token, -1 removes it).
+template <class K>
+KVEVICT_HOST_DEVICE inline void key_diff_accumulate(std::int64_t* sums, const K* k, std::int32_t head_dim, float norm,
+                                                    std::int64_t sign) noexcept {
+  for (std::int32_t e = 0; e < head_dim; ++e) sums[e] += sign * key_diff_unit(k, e, norm);
 }
 
 namespace detail {
@@ -120,11 +143,9 @@ std::int32_t key_diff_scores(const kv_view<T, Layout>& cache, std::int32_t b, st
     const T* k = cache.k_row(b, h, p);
     const float norm = key_length(k, d);
     if (!std::isfinite(norm)) return p;
-    for (std::int32_t e = 0; e < d; ++e) sums[e] += key_diff_unit(k, e, norm);
+    key_diff_accumulate(sums, k, d, norm, 1);
   }
-  for (std::int32_t e = 0; e < d; ++e) unit[e] = key_diff_anchor_value(sums[e]);
-  const float length_of_anchor = key_diff_anchor_length(unit, d);
-  for (std::int32_t e = 0; e < d; ++e) unit[e] = key_diff_unit_anchor(unit[e], length_of_anchor);
+  key_diff_unit_anchor_from(sums, d, unit);
   for (std::int32_t p = 0; p < length; ++p) out[p] = key_diff_score(cache.k_row(b, h, p), unit, d);
   return -1;
 }

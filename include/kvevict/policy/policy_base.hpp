@@ -95,6 +95,7 @@ class policy_base {
     slots_.length_ref(b) = position + 1;
     unobserved_[std::size_t(b)] = 1;
     victims_found_[std::size_t(b)] = 0;
+    derived().on_cached_change(b, cached_change::append);
     return position;
   }
 
@@ -127,6 +128,7 @@ class policy_base {
     slots_.length_ref(b) = first + tokens;
     unobserved_[std::size_t(b)] = 1;
     victims_found_[std::size_t(b)] = 0;
+    derived().on_cached_change(b, cached_change::append);
     return first;
   }
 
@@ -176,6 +178,7 @@ class policy_base {
   void reset(std::int32_t b) {
     detail::require_index(where("reset"), "sequence", b, shape_.num_seqs);
     derived().on_reset(b);
+    derived().on_cached_change(b, cached_change::other);
     slots_.clear(b);
     unobserved_[std::size_t(b)] = 0;
     victims_found_[std::size_t(b)] = 0;
@@ -221,6 +224,7 @@ class policy_base {
       if (victim_slots) victim_slots[h] = s;
     }
     victims_found_[std::size_t(b)] = 0;
+    derived().on_cached_change(b, found ? cached_change::found_victims_evicted : cached_change::other);
     return heads;
   }
 
@@ -338,7 +342,7 @@ class policy_base {
     const detail::site w = where("observe");
     require_observable(w, b);
     detail::require_policy_view(w, shape_, in.cache);
-    detail::require_key_norm_decay(w, rule_.victim == victim_rule::lowest_score, rule_.decay);
+    detail::require_replacing_decay(w, "key_norms", rule_.victim == victim_rule::lowest_score, rule_.decay);
     const std::int32_t width = slots_.occupied_width(b);
     require_rows(w, in.cache, b, width, occupied(b));
     detail::key_norm_increments(w, in.cache, b, width, occupied(b), scratch_.data(), shape_.capacity);
@@ -400,7 +404,7 @@ class policy_base {
     const detail::site w = where("prefill");
     require_prefill(w, b, length);
     detail::require_policy_view(w, shape_, in.cache);
-    detail::require_key_norm_decay(w, rule_.victim == victim_rule::lowest_score, rule_.decay);
+    detail::require_replacing_decay(w, "key_norms", rule_.victim == victim_rule::lowest_score, rule_.decay);
     require_rows(w, in.cache, b, length, all_columns());
     detail::key_norm_increments(w, in.cache, b, length, all_columns(), scratch_.data(), shape_.capacity);
     return commit_prefill(w, b, length, &in.cache);
@@ -432,6 +436,7 @@ class policy_base {
                                 order_.data());
   }
   void on_reset(std::int32_t) noexcept {}
+  void on_cached_change(std::int32_t, cached_change) noexcept {}
   std::uint64_t stream_of(std::int32_t b) const noexcept { return std::uint64_t(b); }  // random's draws
 
  public:
@@ -514,6 +519,7 @@ class policy_base {
   /// moves land in moves_ / move_counts_. Nothing here can fail.
   std::int32_t evict_surplus(std::int32_t b, std::int32_t target) {
     victims_found_[std::size_t(b)] = 0;  // slots move: a later evict decides afresh
+    derived().on_cached_change(b, cached_change::other);
     std::int32_t freed = 0;
     for (std::int32_t h = 0; h < shape_.num_kv_heads; ++h) {
       freed = derived().free_surplus(b, h, target);
@@ -640,6 +646,7 @@ class policy_base {
       slots_.next_slot_ref(b, h) = kept;  // kept <= budget < capacity
     }
     slots_.length_ref(b) = length;
+    derived().on_cached_change(b, cached_change::other);
     prefill_result result;
     result.kept = kept;
     if constexpr (std::is_same_v<Layout, paged_layout>) {

@@ -21,6 +21,12 @@ struct policy_shape {
   std::int32_t group_size() const noexcept { return num_q_heads / num_kv_heads; }
 };
 
+/// How a call changed the tokens a sequence caches, for policies that keep
+/// something derived from them (h2o's KeyDiff anchors): an append, an
+/// evict of the victims observe found, or anything else (evict on other
+/// victims, evict_to, prefill, reset).
+enum class cached_change { append, found_victims_evicted, other };
+
 /// What prefill compression did to one sequence.
 struct prefill_result {
   std::int32_t kept = 0;  ///< tokens kept per KV head, now in slots [0, kept)
@@ -47,13 +53,13 @@ void require_decay(const Where& where, const char* arg, float decay) {
   if (!(decay >= 0.0f && decay <= 1.0f)) fail<out_of_range>(where, arg, "= ", decay, " is outside [0, 1]");
 }
 
-/// key_norms replace a slot's score every step (score_inputs.hpp): a rule
-/// that evicts by score takes them only with decay 0, else the old norms
-/// would accumulate into the score.
+/// key_norms and key_diff replace a slot's score every step
+/// (score_inputs.hpp): a rule that evicts by score takes them only with
+/// decay 0, else the old scores would accumulate into the new.
 template <class Where>
-void require_key_norm_decay(const Where& where, bool evicts_by_score, float decay) {
+void require_replacing_decay(const Where& where, const char* input, bool evicts_by_score, float decay) {
   if (evicts_by_score && decay != 0.0f)
-    fail<invalid_argument>(where, "in", "is key_norms, whose score replaces the old one each step: the rule's decay "
+    fail<invalid_argument>(where, "in", "is ", input, ", whose score replaces the old one each step: the rule's decay "
                            "must be 0 (key_norm_config), it is ", decay);
 }
 
