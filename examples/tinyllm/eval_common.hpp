@@ -64,7 +64,7 @@ constexpr std::int32_t eval_sinks = 4;
 constexpr float eval_decay = 0.9f;
 
 /// Decode-time rules (streamed prompt, teacher-forced text). h2o, tova,
-/// decayed and key_norm share H2O's split (the newest budget / 2 kept, the
+/// decayed, key_norm and key_diff share H2O's split (the newest budget / 2 kept, the
 /// rest by score), so they differ only in the score; lookahead and topk are
 /// the oracles. Returns false for an unknown name.
 inline bool decode_spec(const std::string& name, std::int32_t budget, std::uint64_t seed, std::int32_t horizon,
@@ -75,6 +75,7 @@ inline bool decode_spec(const std::string& name, std::int32_t budget, std::uint6
   else if (name == "tova") s.kind = policy_kind::h2o, s.decay = 0.0f;
   else if (name == "decayed") s.kind = policy_kind::h2o, s.decay = eval_decay;
   else if (name == "key_norm") s.kind = policy_kind::key_norm;
+  else if (name == "key_diff") s.kind = policy_kind::key_diff;
   else if (name == "recent_window") s.kind = policy_kind::recent_window, s.sinks = eval_sinks;
   else if (name == "recent_only") s.kind = policy_kind::recent_window;
   else if (name == "random") s.kind = policy_kind::random;
@@ -91,14 +92,15 @@ inline bool decode_spec(const std::string& name, std::int32_t budget, std::uint6
 
 /// Prompt-compression rules: the prompt is processed with every key cached,
 /// then the library's prefill keeps the budget (H2O's split again) and the
-/// decode steps continue by the rule named: h2o for snapkv and key_diff.
+/// decode steps continue by the rule named (KeyDiff's running anchor for
+/// key_diff, key norms for key_norm), h2o for snapkv.
 inline bool prefill_spec(const std::string& name, std::int32_t budget, policy_spec& out) {
   policy_spec s{policy_kind::h2o, budget, 0, 0};
   if (name == "h2o") s.prefill = prefill_kind::attention;
   else if (name == "tova") s.prefill = prefill_kind::attention, s.decay = 0.0f;
   else if (name == "decayed") s.prefill = prefill_kind::attention, s.decay = eval_decay;
   else if (name == "key_norm") s.kind = policy_kind::key_norm, s.prefill = prefill_kind::key_norm;
-  else if (name == "key_diff") s.prefill = prefill_kind::key_diff;
+  else if (name == "key_diff") s.kind = policy_kind::key_diff, s.prefill = prefill_kind::key_diff;
   else if (name == "snapkv") {
     s.prefill = prefill_kind::snapkv;
     s.snap_window = std::min(32, budget / 2);  // the paper's 32 rows, within the recent half at small budgets

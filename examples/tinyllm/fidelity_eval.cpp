@@ -36,8 +36,9 @@ struct options {
   std::string model, text, out, json;
   std::int32_t window = 1024, windows = 4, offset = 0, positions = 1024;
   std::vector<int> budgets = {10, 20, 50};  // percent of the window
-  std::vector<std::string> policies = {"full",     "h2o",          "tova",  "decayed", "recent_window",
-                                       "key_norm", "random_protected", "exact_greedy_protected", "lookahead", "topk"};
+  std::vector<std::string> policies = {"full",     "h2o",      "tova",          "decayed",
+                                       "recent_window", "key_norm", "key_diff", "random_protected",
+                                       "exact_greedy_protected", "lookahead", "topk"};
   std::uint64_t seed = 1;
   std::int32_t horizon = 0;  // lookahead: future steps summed (0: the rest of the window)
   bool lse_check = false;
@@ -56,8 +57,8 @@ bool known_policy(const std::string& p) {
                "error: %s\n"
                "usage: kvevict_fidelity [eval|tokenize|score] --model FILE.gguf --text FILE.txt\n"
                "  eval:     [--window 1024] [--windows 4] [--offset 0] [--budgets 10,20,50]\n"
-               "            [--policies full,h2o,tova,decayed,recent_window,key_norm,random_protected,\n"
-               "                        exact_greedy_protected,lookahead,topk]\n"
+               "            [--policies full,h2o,tova,decayed,recent_window,key_norm,key_diff,\n"
+               "                        random_protected,exact_greedy_protected,lookahead,topk]\n"
                "            (also recent_only, random, exact_greedy; *_protected: 4 sinks and h2o's\n"
                "             recent half never evicted; lookahead, topk: the oracles)\n"
                "            [--horizon 0 (lookahead's future steps; 0: the rest of the window)]\n"

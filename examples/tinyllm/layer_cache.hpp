@@ -19,10 +19,10 @@
 
 namespace tinyllm {
 
-/// h2o covers the decayed rules too (decay 0: TOVA); key_norm is h2o
-/// observed through key norms; lookahead and topk are the evaluation's
+/// h2o covers the decayed rules too (decay 0: TOVA); key_norm and key_diff
+/// are h2o observed through key norms and KeyDiff's cosines; lookahead and topk are the evaluation's
 /// oracles (attention_record.hpp, docs/fidelity.md), not library policies.
-enum class policy_kind { full, h2o, recent_window, random, exact_greedy, key_norm, lookahead, topk };
+enum class policy_kind { full, h2o, recent_window, random, exact_greedy, key_norm, key_diff, lookahead, topk };
 
 /// Prompt compression (prefill): the first prompt_length tokens of a
 /// sequence (set_prompt) are processed with every prompt key in the cache,
@@ -135,6 +135,7 @@ class layer_cache {
         return kvevict::h2o_policy(shape, c);
       }
       case policy_kind::key_norm:
+      case policy_kind::key_diff:  // both replace the score each step (decay 0)
         return kvevict::h2o_policy(shape, kvevict::key_norm_config(spec.budget - recent - spec.sinks, recent, spec.sinks));
       case policy_kind::lookahead:  // no protection: the future decides alone
         return kvevict::h2o_policy(shape, kvevict::tova_config(spec.budget, 0, 0, kvevict::group_reduce::sum));
@@ -264,6 +265,7 @@ class layer_cache {
     constexpr bool needs_queries = std::is_same_v<Policy, kvevict::exact_greedy_policy>;
     if constexpr (std::is_same_v<Policy, kvevict::h2o_policy>) {
       if (spec_.kind == policy_kind::key_norm) return observe_evict(policy, b, kvevict::key_norms<float, kvevict::strided_layout>{view});
+      if (spec_.kind == policy_kind::key_diff) return observe_evict(policy, b, kvevict::key_diff<float, kvevict::strided_layout>{view});
       if (spec_.kind == policy_kind::lookahead) {
         const attention_record* future = futures_[std::size_t(b)];
         if (!future) throw kvevict::invalid_argument("layer_cache: lookahead needs set_future");

@@ -42,8 +42,9 @@ struct options {
   std::vector<double> depths = {0.1, 0.5, 0.9};
   std::int32_t words = 4, generate = 8, offset = 1000, stride = 4000, horizon = 0;
   std::vector<int> budgets = {10, 20};
-  std::vector<std::string> policies = {"h2o",    "tova",  "decayed", "recent_window", "key_norm", "random_protected",
-                                       "exact_greedy_protected", "lookahead", "topk"};
+  std::vector<std::string> policies = {"h2o",      "tova",     "decayed",          "recent_window",
+                                       "key_norm", "key_diff", "random_protected", "exact_greedy_protected",
+                                       "lookahead", "topk"};
   std::vector<std::string> prefill = {"h2o", "tova", "key_norm", "key_diff", "snapkv"};
   std::vector<std::string> placements = {"in", "out"};
   std::uint64_t seed = 1;
@@ -54,8 +55,8 @@ struct options {
                "error: %s\n"
                "usage: kvevict_needle --model FILE.gguf --text FILE.txt [--json FILE]\n"
                "  [--lengths 256,512,1024] [--depths 0.1,0.5,0.9] [--words 4 (at most %d)] [--budgets 10,20]\n"
-               "  [--policies h2o,tova,decayed,recent_window,key_norm,random_protected,exact_greedy_protected,\n"
-               "              lookahead,topk]          (decode time; \"none\" for the full cache only)\n"
+               "  [--policies h2o,tova,decayed,recent_window,key_norm,key_diff,random_protected,\n"
+               "              exact_greedy_protected,lookahead,topk]  (decode time; \"none\": the full cache only)\n"
                "  [--prefill h2o,tova,key_norm,key_diff,snapkv,recent_window]  (prompt compression; \"none\")\n"
                "  [--placements in,out] [--generate 8] [--offset 1000] [--stride 4000] [--horizon 0] [--seed 1]\n"
                "threads: OMP_NUM_THREADS\n",
