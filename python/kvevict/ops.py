@@ -40,6 +40,7 @@ __all__ = [
     "observe_evict",
     "observe_evict_queries",
     "observe_evict_key_norms",
+    "observe_evict_key_diff",
     "prefill",
     "prefill_key_norms",
     "prefill_key_diff",
@@ -199,6 +200,31 @@ def observe_evict_key_norms(
 
 
 @observe_evict_key_norms.register_fake
+def _(state, desc, k_cache, page_table, layout, active=None):
+    return state.new_empty(_heads(desc), dtype=torch.int32)
+
+
+@custom_op("kvevict::observe_evict_key_diff", mutates_args=("state",), device_types=("cpu", "cuda"))
+def observe_evict_key_diff(
+    state: Tensor,
+    desc: List[int],
+    k_cache: Tensor,
+    page_table: Optional[Tensor],
+    layout: int,
+    active: Optional[Tensor] = None,
+) -> Tensor:
+    """Observe + evict by KeyDiff from the key cache alone: each occupied
+    slot's score becomes -cos(k, the running anchor of the cached keys) (h2o
+    with decay 0, a state made with head_dim); returns the freed slots, int32
+    [B, Hkv]."""
+    victims = torch.full(_heads(desc), -1, dtype=torch.int32, device=state.device)
+    _ext.observe_evict_key_diff(
+        _descriptor(desc), _a(state), layout, _a(k_cache), _a(page_table), _a(victims), _a(active), _stream(state)
+    )
+    return victims
+
+
+@observe_evict_key_diff.register_fake
 def _(state, desc, k_cache, page_table, layout, active=None):
     return state.new_empty(_heads(desc), dtype=torch.int32)
 

@@ -56,8 +56,10 @@ class BatchedPolicy:
             at least the longest prompt :meth:`prefill` compresses.
         num_q_heads: query heads (a multiple of ``num_kv_heads``; GQA group
             ``num_q_heads // num_kv_heads``). Default: ``num_kv_heads``.
-        max_tokens, head_dim: exact_greedy only: the longest a sequence may
-            grow, and the head dimension (its history of K/V rows).
+        max_tokens, head_dim: exact_greedy: the longest a sequence may grow,
+            and the head dimension (its history of K/V rows). h2o: head_dim
+            alone sizes KeyDiff's running anchors, which
+            :meth:`observe_evict_key_diff` needs.
         device: ``None`` keeps the state in a NumPy array (no torch needed);
             otherwise a torch device (``"cpu"``, ``"cuda"``, ``"cuda:1"``, a
             ``torch.device``) for a torch state tensor there. Inputs must be on
@@ -84,10 +86,8 @@ class BatchedPolicy:
                 "kvevict.BatchedPolicy: argument 'max_tokens' and 'head_dim' are required for exact_greedy "
                 "(its history holds every K/V row a sequence sees)"
             )
-        if not greedy and (max_tokens is not None or head_dim is not None):
-            raise _ext.InvalidArgument(
-                "kvevict.BatchedPolicy: argument 'max_tokens' / 'head_dim' apply to exact_greedy only"
-            )
+        if not greedy and max_tokens is not None:
+            raise _ext.InvalidArgument("kvevict.BatchedPolicy: argument 'max_tokens' applies to exact_greedy only")
         self.config = config
         self.num_seqs = num_seqs
         self.num_kv_heads = num_kv_heads
@@ -245,7 +245,8 @@ class BatchedPolicy:
         ``base``: ``"natural"`` LSE (FlashAttention) or ``"base2"`` (FlashInfer).
         Returns the freed slot per (sequence, head), int32 [num_seqs,
         num_kv_heads], -1 where nothing was freed (written into ``out`` if given).
-        Key-norm scoring, from the keys alone: :meth:`observe_evict_key_norms`.
+        Key-norm scoring, from the keys alone: :meth:`observe_evict_key_norms`;
+        KeyDiff: :meth:`observe_evict_key_diff`.
         """
         given = [n for n, x in (("probs", probs), ("head_scores", head_scores), ("logits", logits), ("queries", queries)) if x is not None]
         if len(given) != 1:
@@ -311,25 +312,44 @@ class BatchedPolicy:
         :class:`NonFiniteError` (on CUDA, at :meth:`check`). Returns the freed
         slot per (sequence, head), int32 [num_seqs, num_kv_heads], -1 where
         nothing was freed (written into ``out`` if given)."""
+        return self._observe_evict_keys("observe_evict_key_norms", k_cache, layout, page_table, active, out, stream)
+
+    def observe_evict_key_diff(
+        self,
+        k_cache: Any,
+        *,
+        layout: Optional[Layout] = None,
+        page_table: Any = None,
+        active: Any = None,
+        out: Any = None,
+        stream: Any = None,
+    ) -> Any:
+        """Steps 5 and 6 by KeyDiff, from the keys alone: every occupied
+        slot's score becomes ``-cos(k, anchor)``, the anchor the sum of the
+        unit keys cached now (kept running: the new keys are added and the
+        victim's subtracted, exactly), and, above the budget, the unprotected
+        key most like the others is freed. h2o with decay 0
+        (:meth:`H2OConfig.key_norm`) made with ``head_dim`` (the anchors).
+        Arguments, errors and result as :meth:`observe_evict_key_norms`."""
+        return self._observe_evict_keys("observe_evict_key_diff", k_cache, layout, page_table, active, out, stream)
+
+    def _observe_evict_keys(self, name, k_cache, layout, page_table, active, out, stream):
         if isinstance(k_cache, CacheView):
             if page_table is not None or layout is not None:
-                raise _ext.InvalidArgument(
-                    "kvevict.observe_evict_key_norms: argument 'layout'/'page_table' come from the CacheView"
-                )
+                raise _ext.InvalidArgument(f"kvevict.{name}: argument 'layout'/'page_table' come from the CacheView")
             k, ext_k, code, page_table = k_cache.k, k_cache._ext_k(), k_cache._code, k_cache.page_table
         else:
             layout = "bhsd" if layout is None else layout
             if layout not in LAYOUT_CODES:
                 raise _ext.InvalidArgument(
-                    f"kvevict.observe_evict_key_norms: argument 'layout' = {layout!r} is not one of "
-                    f"{', '.join(LAYOUT_CODES)}"
+                    f"kvevict.{name}: argument 'layout' = {layout!r} is not one of {', '.join(LAYOUT_CODES)}"
                 )
             k, ext_k, code = k_cache, None, LAYOUT_CODES[layout]
         active = self._active(active)
         if self._compiling():
-            return self._ops().observe_evict_key_norms(self.state, self.descriptor, k, page_table, code, active)
+            return getattr(self._ops(), name)(self.state, self.descriptor, k, page_table, code, active)
         victims = self._victims(out)
-        _ext.observe_evict_key_norms(
+        getattr(_ext, name)(
             self._desc, for_ext(self.state), code, for_ext(k) if ext_k is None else ext_k, for_ext(page_table),
             for_ext(victims), for_ext(active), self._stream(stream),
         )  # fmt: skip

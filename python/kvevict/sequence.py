@@ -25,7 +25,7 @@ _REDUCE = {"sum": 0, "mean": 1, "max": 2}
 
 class SequencePolicy:
     """A per-sequence policy (host): ``append(b)``, ``observe_*(b, ...)``
-    (``observe_key_norms`` reads the caller's K buffer),
+    (``observe_key_norms`` and ``observe_key_diff`` read the caller's K buffer),
     ``evict(b)``, ``prefill_column_sums(b, L, sums)``,
     ``prefill_key_norms(b, L, k_cache, v_cache)``,
     ``prefill_key_diff(b, L, k_cache, v_cache)`` (h2o) and
@@ -85,11 +85,15 @@ class SequencePolicy:
         ``-||k||_2`` of its key in ``k_cache`` (the whole batch's K buffer in
         ``layout``, as :class:`CacheView` describes it; V is not read). h2o
         takes it only with decay 0 (:meth:`H2OConfig.key_norm`)."""
-        if layout not in LAYOUT_CODES:
-            raise _ext.InvalidArgument(
-                f"kvevict.SequencePolicy: argument 'layout' = {layout!r} is not one of {', '.join(LAYOUT_CODES)}"
-            )
-        self._p.observe_key_norms(b, LAYOUT_CODES[layout], for_ext(k_cache), for_ext(page_table))
+        self._p.observe_key_norms(b, _layout_code(layout), for_ext(k_cache), for_ext(page_table))
+
+    def observe_key_diff(self, b: int, k_cache: Any, layout: str = "bhsd", page_table: Any = None) -> None:
+        """KeyDiff scoring of sequence b (h2o with decay 0): each occupied
+        slot's score becomes ``-cos(k, anchor)``, the anchor the running sum
+        of the unit keys cached now; ``k_cache`` as for :meth:`observe_key_norms`.
+        Above the budget the victims leave the anchor here (``evict`` has no
+        keys), so call ``evict`` next."""
+        self._p.observe_key_diff(b, _layout_code(layout), for_ext(k_cache), for_ext(page_table))
 
     def skip_observe(self, b: int) -> None:
         self._p.skip_observe(b)
@@ -210,12 +214,7 @@ class SequencePolicy:
             return k_cache._code, k_cache._ext_k(), k_cache._ext_v(), for_ext(k_cache.page_table)
         if v_cache is None:
             raise _ext.InvalidArgument("kvevict.SequencePolicy: argument 'v_cache' is required (the kept rows move)")
-        layout = "bhsd" if layout is None else layout
-        if layout not in LAYOUT_CODES:
-            raise _ext.InvalidArgument(
-                f"kvevict.SequencePolicy: argument 'layout' = {layout!r} is not one of {', '.join(LAYOUT_CODES)}"
-            )
-        return LAYOUT_CODES[layout], for_ext(k_cache), for_ext(v_cache), for_ext(page_table)
+        return _layout_code("bhsd" if layout is None else layout), for_ext(k_cache), for_ext(v_cache), for_ext(page_table)
 
     def reset(self, b: int) -> None:
         self._p.reset(b)
@@ -231,3 +230,11 @@ class SequencePolicy:
 
     def scores(self) -> np.ndarray:
         return self._p.scores()
+
+
+def _layout_code(layout: str) -> int:
+    if layout not in LAYOUT_CODES:
+        raise _ext.InvalidArgument(
+            f"kvevict.SequencePolicy: argument 'layout' = {layout!r} is not one of {', '.join(LAYOUT_CODES)}"
+        )
+    return LAYOUT_CODES[layout]

@@ -301,8 +301,8 @@ class Descriptor {
   /// The view `v` carved at `from`, moved to `to`: every pointer of the
   /// state shifted by the same amount.
   static batch_state_view rebase(batch_state_view v, std::uintptr_t from, std::uintptr_t to) {
-    static_assert(sizeof(batch_state_view) == 232 && sizeof(kvevict::history_view) == 56 &&
-                      sizeof(kvevict::device_workspace) == 48,
+    static_assert(sizeof(batch_state_view) == 264 && sizeof(kvevict::history_view) == 56 &&
+                      sizeof(kvevict::device_workspace) == 48 && sizeof(kvevict::key_anchor_view) == 32,
                   "batch_state_view changed: shift its new pointers in rebase() too");
     auto shift = [&](auto*& p) {
       using T = std::remove_reference_t<decltype(*p)>;
@@ -322,6 +322,9 @@ class Descriptor {
     shift(v.history.rows);
     shift(v.history.cached);
     shift(v.history.work);
+    shift(v.anchors.sums);
+    shift(v.anchors.units);
+    shift(v.anchors.upto);
     shift(v.work.partials);
     shift(v.work.arrivals);
     shift(v.work.evict_plans);
@@ -695,11 +698,12 @@ void observe_evict_queries(const Descriptor& desc, nb::handle memory, nb::handle
       cuda::observe_evict_queries(st.view, active, q, lse, scale, base, cache, victims, st.status, stream_of(stream)));
 }
 
-/// Observe + evict from the key norms of the cache: each occupied slot's
-/// score becomes -||k|| (kvevict::key_norms; h2o takes it with decay 0).
-void observe_evict_key_norms(const Descriptor& desc, nb::handle memory, std::int32_t layout, nb::handle k,
-                             nb::handle page_table, nb::handle victims_obj, nb::handle active_obj,
-                             std::uintptr_t stream) {
+/// Observe + evict from the cached keys alone: key norms (each occupied
+/// slot's score becomes -||k||; h2o takes it with decay 0) or, with
+/// `diff`, KeyDiff (-cos(k, the running anchor of the cached keys); an h2o
+/// state made with head_dim).
+void observe_evict_keys(bool diff, const Descriptor& desc, nb::handle memory, std::int32_t layout, nb::handle k,
+                        nb::handle page_table, nb::handle victims_obj, nb::handle active_obj, std::uintptr_t stream) {
   const char* call = "observe_evict";
   const state_ref st = resolve_state(desc, memory, call);
   const any_cache cache = parse_keys(layout, k, page_table, st.dev, st.view.capacity(), call);
@@ -711,11 +715,13 @@ void observe_evict_key_norms(const Descriptor& desc, nb::handle memory, std::int
                    [&] {
                      visit_cache(cache, [&](auto view) {
                        using V = decltype(view);
-                       const kvevict::key_norms<typename V::element_type, typename V::layout_type> in{view};
-                       kvevict::batched_observe_evict(st.view, active, in, victims, st.status);
+                       using E = typename V::element_type;
+                       using L = typename V::layout_type;
+                       if (diff) kvevict::batched_observe_evict(st.view, active, kvevict::key_diff<E, L>{view}, victims, st.status);
+                       else kvevict::batched_observe_evict(st.view, active, kvevict::key_norms<E, L>{view}, victims, st.status);
                      });
                    }),
-      cuda::observe_evict_key_norms(st.view, active, cache, victims, st.status, stream_of(stream)));
+      cuda::observe_evict_keys(st.view, active, diff, cache, victims, st.status, stream_of(stream)));
 }
 
 void append_tokens(const Descriptor& desc, nb::handle memory, std::int32_t tokens, nb::handle active_obj,
@@ -1105,6 +1111,21 @@ class SequencePolicy {
       p_.observe(b, kvevict::key_norms<typename V::element_type, typename V::layout_type>{view});
     });
   }
+  /// KeyDiff: each occupied slot's score becomes -cos(k, the running anchor
+  /// of b's cached keys). Only h2o_policy has it, as for the prefill.
+  void observe_key_diff(std::int32_t b, std::int32_t layout, nb::handle k, nb::handle page_table) {
+    const any_cache cache = parse_keys(layout, k, page_table, device{}, p_.shape().capacity, "observe");
+    if constexpr (std::is_same_v<Policy, kvevict::h2o_policy>) {
+      visit_cache(cache, [&](auto view) {
+        using V = decltype(view);
+        p_.observe(b, kvevict::key_diff<typename V::element_type, typename V::layout_type>{view});
+      });
+    } else {
+      (void)b;
+      fail_arg("observe", "in", concat("is key_diff, which the per-sequence ", kvevict::policy_traits<Policy>::name,
+                                       " does not take (h2o_policy does)"));
+    }
+  }
   void skip_observe(std::int32_t b) { p_.skip_observe(b); }
   /// The freed slot of each KV head, -1 where nothing was evicted.
   std::vector<std::int32_t> evict(std::int32_t b) {
@@ -1278,6 +1299,8 @@ void bind_sequence_policy(nb::module_& m, const char* name, const char* doc, Mak
       .def("observe_logits", &S::observe_logits, "b"_a, "logits"_a, "lse"_a, "scale"_a = 1.0f, "base"_a = 0)
       .def("observe_key_norms", &S::observe_key_norms, "b"_a, "layout"_a, "k_cache"_a, "page_table"_a.none() = nb::none(),
            "Sets each occupied slot's score to -||k|| of its cached key (k_cache in `layout`, 0 bhsd .. 3 paged hnd).")
+      .def("observe_key_diff", &S::observe_key_diff, "b"_a, "layout"_a, "k_cache"_a, "page_table"_a.none() = nb::none(),
+           "KeyDiff (h2o): sets each occupied slot's score to -cos(k, the running anchor of the cached keys).")
       .def("skip_observe", &S::skip_observe, "b"_a)
       .def("evict", &S::evict, "b"_a, "Frees one victim slot per KV head above the budget; returns the freed slots (-1: none).")
       .def("prefill_key_norms", &S::prefill_key_norms, "b"_a, "length"_a, "layout"_a, "k_cache"_a, "v_cache"_a,
@@ -1379,8 +1402,14 @@ NB_MODULE(_ext, m) {
   m.def("observe_evict_queries", &observe_evict_queries, "desc"_a, "state"_a, "queries"_a, "lse"_a, "scale"_a,
         "base"_a, "layout"_a, "k_cache"_a, "v_cache"_a, "page_table"_a.none(), "victims"_a.none(), "active"_a = none,
         "stream"_a = 0);
-  m.def("observe_evict_key_norms", &observe_evict_key_norms, "desc"_a, "state"_a, "layout"_a, "k_cache"_a,
-        "page_table"_a.none(), "victims"_a.none(), "active"_a = none, "stream"_a = 0);
+  for (const bool diff : {false, true})
+    m.def(diff ? "observe_evict_key_diff" : "observe_evict_key_norms",
+          [diff](const Descriptor& desc, nb::handle memory, std::int32_t layout, nb::handle k, nb::handle page_table,
+                 nb::handle victims, nb::handle active, std::uintptr_t stream) {
+            observe_evict_keys(diff, desc, memory, layout, k, page_table, victims, active, stream);
+          },
+          "desc"_a, "state"_a, "layout"_a, "k_cache"_a, "page_table"_a.none(), "victims"_a.none(), "active"_a = none,
+          "stream"_a = 0);
   m.def("append_tokens", &append_tokens, "desc"_a, "state"_a, "tokens"_a, "active"_a = none, "stream"_a = 0);
   m.def("evict_to", &evict_to, "desc"_a, "state"_a, "target"_a, "layout"_a, "k_cache"_a, "v_cache"_a,
         "page_table"_a.none(), "queries"_a.none(), "lse"_a.none(), "scale"_a, "base"_a, "freed"_a.none(),

@@ -31,7 +31,7 @@ struct descriptor {
   std::int32_t a = 0, b = 0, c = 0, d = 0;
   float decay = 1.0f;
   std::uint64_t seed = 0;
-  kvevict::history_extent history;  ///< exact_greedy only
+  kvevict::history_extent history;  ///< exact_greedy's history, or h2o's KeyDiff anchors (head_dim)
 };
 
 /// Calls f(policy tag, config) with the kvevict policy type of `d`.

@@ -32,9 +32,10 @@ void observe_evict(const batch_state_view& st, const kvevict::active_set& active
 void observe_evict_queries(const batch_state_view& st, const kvevict::active_set& active, const any_array& q,
                            const kvevict::tensor_view<const float, 2>& lse, float scale, kvevict::lse_base base,
                            const any_cache& cache, std::int32_t* victims, std::uint64_t* status, void* stream);
-/// Key norms of the cache's keys (cache.v is a stand-in, never read).
-void observe_evict_key_norms(const batch_state_view& st, const kvevict::active_set& active, const any_cache& cache,
-                             std::int32_t* victims, std::uint64_t* status, void* stream);
+/// Key norms of the cache's keys, or KeyDiff with `diff` (cache.v is a
+/// stand-in, never read).
+void observe_evict_keys(const batch_state_view& st, const kvevict::active_set& active, bool diff,
+                        const any_cache& cache, std::int32_t* victims, std::uint64_t* status, void* stream);
 
 void append_tokens(const batch_state_view& st, const kvevict::active_set& active, std::int32_t tokens,
                    std::uint64_t* status, void* stream);

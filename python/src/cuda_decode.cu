@@ -59,12 +59,16 @@ void observe_evict_queries(const batch_state_view& st, const kvevict::active_set
   });
 }
 
-void observe_evict_key_norms(const batch_state_view& st, const kvevict::active_set& active, const any_cache& cache,
-                             std::int32_t* victims, std::uint64_t* status, void* stream) {
+void observe_evict_keys(const batch_state_view& st, const kvevict::active_set& active, bool diff,
+                        const any_cache& cache, std::int32_t* victims, std::uint64_t* status, void* stream) {
   visit_cache(cache, [&](auto view) {
     using V = decltype(view);
-    const kvevict::key_norms<typename V::element_type, typename V::layout_type> in{view};
-    throw_on_error(kvevict::gpu::batched_observe_evict(st, active, in, victims, status, as_stream(stream)),
+    using E = typename V::element_type;
+    using L = typename V::layout_type;
+    throw_on_error(diff ? kvevict::gpu::batched_observe_evict(st, active, kvevict::key_diff<E, L>{view}, victims,
+                                                              status, as_stream(stream))
+                        : kvevict::gpu::batched_observe_evict(st, active, kvevict::key_norms<E, L>{view}, victims,
+                                                              status, as_stream(stream)),
                    "observe_evict");
   });
 }
