@@ -3,11 +3,12 @@
 // active (sequence, KV head) brings its running anchor up to its cached
 // keys and writes the step's unit anchor, which every block of the row's
 // observe + evict then reads (key_diff_anchor.hpp: the host's
-// refresh_key_anchor, with the same bits). One block per row: the
-// threads take the new keys (usually the one appended), add their unit
-// components to a shared integer sum (exact, so the atomics' order cannot
-// change it), and a key the host would refuse leaves the row unchanged,
-// for observe + evict to report.
+// refresh_key_anchor, with the same bits). One block per row: a warp
+// takes each new key (usually the one appended; every cached key when the
+// anchor is stale), its lanes adding the unit components to a shared
+// integer sum (exact, so the atomics' order cannot change it); a key the
+// host would refuse leaves the row unchanged, for observe + evict to
+// report.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -29,6 +30,7 @@ namespace detail {
 template <int Threads, class T, class Layout>
 __global__ void __launch_bounds__(Threads)
     refresh_key_anchor_kernel(batch_state_view st, active_set active, key_diff<T, Layout> in) {
+  static_assert(Threads % 32 == 0, "a warp per key");
   extern __shared__ unsigned long long added[];
   __shared__ int refused;
   __shared__ float anchor_length;
@@ -46,20 +48,28 @@ __global__ void __launch_bounds__(Threads)
   if (t == 0) refused = 0;
   for (std::int32_t e = t; e < d; e += Threads) added[e] = 0;
   __syncthreads();
-  for (std::int32_t s = t; s < width; s += Threads) {
-    if (positions[s] < first) continue;  // anchored already, or free
-    if (!row_is_mapped(in.cache, b, s)) {
-      atomicOr(&refused, 1);
-      continue;
+  // A warp per new key: the lanes find the new slots of 32 positions
+  // (coalesced), then take each key's components in turn, so a warp's
+  // atomics go to distinct words. Every lane computes the key's norm (the
+  // same value; the row is in L1 after the first).
+  constexpr unsigned kAll = 0xFFFFFFFFu;
+  const std::int32_t lane = t % 32, warp = t / 32;
+  for (std::int32_t base = warp * 32; base < width; base += Threads) {  // warp-uniform
+    const std::int32_t mine = base + lane;
+    unsigned fresh = __ballot_sync(kAll, mine < width && positions[mine] >= first);  // anchored already, or free: no
+    while (fresh) {
+      const std::int32_t s = base + __ffs(static_cast<int>(fresh)) - 1;
+      fresh &= fresh - 1;
+      const bool mapped = row_is_mapped(in.cache, b, s);
+      const T* k = mapped ? in.cache.k_row(b, h, s) : nullptr;
+      const float norm = mapped ? key_length(k, d) : 0.0f;
+      if (!mapped || classify_input(norm, false) != batch_code::ok) {  // refused by the host too
+        if (lane == 0) atomicOr(&refused, 1);
+        continue;
+      }
+      for (std::int32_t e = lane; e < d; e += 32)  // two's complement: the unsigned sum is the signed one
+        atomicAdd(added + e, static_cast<unsigned long long>(key_diff_unit(k, e, norm)));
     }
-    const T* k = in.cache.k_row(b, h, s);
-    const float norm = key_length(k, d);
-    if (classify_input(norm, false) != batch_code::ok) {
-      atomicOr(&refused, 1);
-      continue;
-    }
-    for (std::int32_t e = 0; e < d; ++e)  // two's complement: the unsigned sum is the signed one
-      atomicAdd(added + e, static_cast<unsigned long long>(key_diff_unit(k, e, norm)));
   }
   __syncthreads();
   if (refused) return;  // every thread sees it: nothing changes

@@ -172,11 +172,10 @@ inline void require_common(const kvevict::detail::site& w, const batch_state_vie
 
 /// The decode launch with a given split (tests force several chunks per row
 /// on small rows with it); `split` must come from split_by_tiles.
-template <class Source>
-cudaError_t launch_observe_evict(const batch_state_view& st, const active_set& active, const Source& source,
-                                 std::int32_t* victims, std::uint64_t* status, cudaStream_t stream,
-                                 const row_split& split) {
-  const kvevict::detail::site w{"cuda", "observe_evict"};
+/// The checks of the decode launch's own arguments (the split and the
+/// workspace it needs), before anything is enqueued.
+inline void require_split(const kvevict::detail::site& w, const batch_state_view& st, const active_set& active,
+                          const row_split& split) {
   const std::int64_t rows = std::int64_t{active.entries(st.num_seqs())} * st.num_heads();
   if (split.chunks > 1) kvevict::detail::require_not_null(w, "state.work.partials", st.work.partials);
   kvevict::detail::require_not_null(w, "state.work.arrivals", st.work.arrivals);
@@ -185,6 +184,15 @@ cudaError_t launch_observe_evict(const batch_state_view& st, const active_set& a
     kvevict::detail::fail<invalid_argument>(w, "split", "is not a split of the state's rows into whole tiles");
   if (rows * split.chunks > 0x7FFFFFFF)
     kvevict::detail::fail<invalid_argument>(w, "active", "gives more blocks than a grid holds");
+}
+
+template <class Source>
+cudaError_t launch_observe_evict(const batch_state_view& st, const active_set& active, const Source& source,
+                                 std::int32_t* victims, std::uint64_t* status, cudaStream_t stream,
+                                 const row_split& split) {
+  const kvevict::detail::site w{"cuda", "observe_evict"};
+  require_split(w, st, active, split);
+  const std::int64_t rows = std::int64_t{active.entries(st.num_seqs())} * st.num_heads();
   if (rows == 0) return cudaSuccess;
   observe_evict_kernel<Source><<<static_cast<unsigned>(rows * split.chunks), decode_tuning::threads, 0, stream>>>(
       st, active, source, split, victims, status);
@@ -224,9 +232,11 @@ cudaError_t observe_evict_split(const batch_state_view& st, const active_set& ac
   const kvevict::detail::site w{"cuda", "observe_evict"};
   require_common(w, st, active, status);
   kvevict::detail::require_input(w, st, in);
-  if (std::size_t(in.cache.head_dim) * (sizeof(unsigned long long) + sizeof(float)) > 48 * 1024)
+  // 48 KiB without an opt-in, less the refresh kernel's few static bytes.
+  if (std::size_t(in.cache.head_dim) * (sizeof(unsigned long long) + sizeof(float)) > 48 * 1024 - 64)
     kvevict::detail::fail<invalid_argument>(w, "in.cache.head_dim", "= ", in.cache.head_dim,
                                             " needs more than 48 KiB of shared memory for KeyDiff's anchor");
+  require_split(w, st, active, split);  // every check before the refresh changes anything
   const cudaError_t e = launch_refresh_key_anchor(st, active, in, stream);
   if (e != cudaSuccess) return e;
   return launch_observe_evict(st, active, score_source<key_diff<T, Layout>>{in, st.anchors}, victims, status, stream,

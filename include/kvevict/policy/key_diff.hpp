@@ -102,7 +102,7 @@ template <class K>
 KVEVICT_HOST_DEVICE inline float key_diff_score(const K* k, const float* unit_anchor, std::int32_t head_dim,
                                                 float norm) noexcept {
   if (norm == 0.0f) return 0.0f;
-  const float cosine = detail::div(attention_logit(unit_anchor, 1, k, head_dim), norm);
+  const float cosine = detail::div(attention_logit_rows(unit_anchor, 1, k, head_dim), norm);  // k as 16-byte loads
   return cosine == 0.0f ? 0.0f : -cosine;
 }
 
