@@ -23,8 +23,17 @@ the whole prompt; then the prompt is compressed to the budget
 - ``"prefill"`` (default; h2o, recent_window, random): kvevict's batched
   prefill, scored from the column sums of the prompt's attention (H2O's
   prompt rule), the kept rows moved in place;
+- ``"snapkv"`` (h2o): the same prefill scored by the attention of the
+  prompt's last ``snap.window`` rows, pooled (SnapKV; ``snap``, default
+  :meth:`kvevict.SnapKV.paper`);
+- ``"key_norms"``, ``"key_diff"`` (h2o; key_norms with decay 0): scored
+  from the prompt's keys alone (key-norm, KeyDiff);
 - ``"evict_to"`` (every policy; the only one for exact_greedy): the prompt
   as one multi-token append, scored by its last query, then ``evict_to``.
+
+Decode steps feed the policy the step's attention probabilities, or, with
+``scores="key_norms"`` / ``"key_diff"`` (h2o with decay 0,
+:meth:`kvevict.H2OConfig.key_norm`), nothing but the cached keys.
 
 Limits: one prompt forward then one token per forward (``generate`` with
 greedy or sampling decoding, batch 1 or unpadded batches); padded batches,
@@ -50,11 +59,14 @@ except ImportError as e:  # pragma: no cover - the package requires 5.x
 
 from . import _ext
 from .cache import CacheView
-from .config import ExactGreedyConfig, PolicyConfig
+from .config import ExactGreedyConfig, PolicyConfig, SnapKV
 from .policy import BatchedPolicy
 
 ATTENTION = "kvevict"
-PromptCompression = Literal["prefill", "evict_to"]
+PromptCompression = Literal["prefill", "snapkv", "key_norms", "key_diff", "evict_to"]
+DecodeScores = Literal["attention", "key_norms", "key_diff"]
+_PROMPT_MODES = ("prefill", "snapkv", "key_norms", "key_diff", "evict_to")
+_SCORES = ("attention", "key_norms", "key_diff")
 
 # Prompt attention is computed in blocks of query rows beyond this many
 # tokens, so a long prompt never materialises an [L, L] matrix per head.
@@ -85,6 +97,8 @@ class KVEvictLayer(CacheLayerMixin):
         self._view: Optional[CacheView] = None
         self._probs: Optional[torch.Tensor] = None  # [B, Hq, budget + 1] while the cache fills
         self._prompt_pending = False
+        self._prompt_keys: Optional[torch.Tensor] = None  # recorded: the prompt's keys, then each step's new row
+        self._k_new: Optional[torch.Tensor] = None
 
     # ---- transformers' layer interface -----------------------------------------
 
@@ -109,6 +123,8 @@ class KVEvictLayer(CacheLayerMixin):
         if B != self.policy.num_seqs:
             raise NotImplementedError("kvevict.hf: the batch size changed between forwards (beam search?)")
         self.policy.append(cache=self._view, k_new=key_states[:, :, 0], v_new=value_states[:, :, 0])
+        if self.cache.record:
+            self._k_new = key_states[:, :, 0].cpu()
         self.seen += 1
         n = min(self.seen, self.policy.budget + 1)  # occupied: exactly slots [0, n) of every head
         keys, values = self.keys[:, :, :n], self.values[:, :, :n]
@@ -135,6 +151,7 @@ class KVEvictLayer(CacheLayerMixin):
         self.seen = 0
         self.keys = self.values = None
         self._pool = self._pool_v = self._table = self._view = self._probs = None
+        self._prompt_keys = self._k_new = None
         self._prompt_pending = False
         self.records = []
 
@@ -186,19 +203,28 @@ class KVEvictLayer(CacheLayerMixin):
             pool[table[:, j].long(), :, : hi - lo] = key_states[:, :, lo:hi]
             pool_v[table[:, j].long(), :, : hi - lo] = value_states[:, :, lo:hi]
         self._pool, self._pool_v, self._table = pool, pool_v, table.to(key_states.device)
+        if self.cache.record:
+            self._prompt_keys = key_states.cpu()
         self._view = CacheView.paged(pool, pool_v, self._table, order="hnd")
 
-    def _finish_prompt(self, column_sums: Optional[torch.Tensor], last_probs: torch.Tensor,
-                       last_query: torch.Tensor, last_lse: torch.Tensor, scale: float) -> None:
+    def _finish_prompt(self, column_sums: Optional[torch.Tensor], window_probs: Optional[torch.Tensor],
+                       last_probs: torch.Tensor, last_query: torch.Tensor, last_lse: torch.Tensor,
+                       scale: float) -> None:
         policy = self.policy
         B, L = policy.num_seqs, self.seen
         mode = self.cache.prompt_compression
+        lengths = torch.full((B,), L, dtype=torch.int32, device=self._pool.device)
         if mode == "prefill":
-            lengths = torch.full((B,), L, dtype=torch.int32, device=self._pool.device)
             if self.cache._h2o:
                 policy.prefill(lengths, column_sums=column_sums, cache=self._view, max_length=L)
             else:
                 policy.prefill(lengths, cache=self._view, max_length=L)
+        elif mode == "snapkv":
+            policy.prefill_snapkv(lengths, cache=self._view, snap=self.cache.snap, probs=window_probs, max_length=L)
+        elif mode == "key_norms":
+            policy.prefill_key_norms(lengths, cache=self._view, max_length=L)
+        elif mode == "key_diff":
+            policy.prefill_key_diff(lengths, cache=self._view, max_length=L)
         else:
             policy.append_tokens(L)
             if self.cache._greedy:
@@ -209,7 +235,8 @@ class KVEvictLayer(CacheLayerMixin):
                 policy.evict_to(policy.budget, cache=self._view)
         if self.cache.record:
             self.records.append({"kind": "prompt", "length": L, "column_sums": None if column_sums is None else column_sums.cpu(),
-                                 "last_probs": last_probs.cpu()})
+                                 "last_probs": last_probs.cpu(), "keys": self._prompt_keys})
+        self._prompt_keys = None
         # Every kept token is now in slots [0, budget + 1) of each head, the
         # first page of its sequence: that page is the cache from here on.
         B_pages = self._pool.shape[0]
@@ -239,12 +266,17 @@ class KVEvictLayer(CacheLayerMixin):
     # ---- a decode step, from the attention function ------------------------------------
 
     def _observe(self, probs: torch.Tensor, query: torch.Tensor, lse: torch.Tensor, scale: float) -> None:
+        scores = self.cache.scores
         if self.cache._greedy:
             self.policy.observe_evict(queries=query, lse=lse, scale=scale, cache=self._view)
+        elif scores == "key_norms":
+            self.policy.observe_evict_key_norms(self._view)
+        elif scores == "key_diff":
+            self.policy.observe_evict_key_diff(self._view)
         else:
             self.policy.observe_evict(probs=self._padded(probs))
         if self.cache.record:
-            self.records.append({"kind": "decode", "probs": probs.cpu()})
+            self.records.append({"kind": "decode", "probs": probs.cpu(), "k_new": self._k_new})
 
 
 class KVEvictCache(Cache):
@@ -254,12 +286,20 @@ class KVEvictCache(Cache):
     Args:
         config: the policy (:class:`kvevict.H2OConfig`, ...), the same for
             every layer, each layer with its own scores.
-        prompt_compression: ``"prefill"`` or ``"evict_to"`` (see the module).
+        prompt_compression: ``"prefill"``, ``"snapkv"``, ``"key_norms"``,
+            ``"key_diff"`` or ``"evict_to"`` (see the module). Default:
+            ``"evict_to"`` for exact_greedy, the decode ``scores`` when they
+            come from the keys, else ``"prefill"``.
+        scores: what each decode step feeds the policy: ``"attention"``
+            (the step's probabilities), ``"key_norms"`` or ``"key_diff"``
+            (the cached keys alone; h2o with decay 0).
+        snap: SnapKV's parameters for ``prompt_compression="snapkv"``
+            (default :meth:`kvevict.SnapKV.paper`).
         max_length: exact_greedy only: the longest a sequence grows (prompt +
             new tokens); its history holds that many rows.
-        record: keep, per layer, the attention each policy was fed (the
-            prompt's column sums and each step's probabilities, on the CPU),
-            for tests and analysis.
+        record: keep, per layer, what each policy was fed (the prompt's
+            column sums and keys, each step's probabilities and new key row,
+            on the CPU), for tests and analysis.
     """
 
     def __init__(
@@ -267,6 +307,8 @@ class KVEvictCache(Cache):
         config: PolicyConfig,
         *,
         prompt_compression: Optional[PromptCompression] = None,
+        scores: DecodeScores = "attention",
+        snap: Optional[SnapKV] = None,
         max_length: Optional[int] = None,
         record: bool = False,
     ) -> None:
@@ -274,12 +316,30 @@ class KVEvictCache(Cache):
         self.config = config
         self._greedy = isinstance(config, ExactGreedyConfig)
         self._h2o = type(config).__name__ == "H2OConfig"
+        if scores not in _SCORES:
+            raise _ext.InvalidArgument(f"kvevict.hf: argument 'scores' = {scores!r} is not one of {', '.join(_SCORES)}")
         if prompt_compression is None:
-            prompt_compression = "evict_to" if self._greedy else "prefill"
-        if prompt_compression not in ("prefill", "evict_to"):
+            prompt_compression = "evict_to" if self._greedy else scores if scores != "attention" else "prefill"
+        if prompt_compression not in _PROMPT_MODES:
             raise _ext.InvalidArgument(
-                f"kvevict.hf: argument 'prompt_compression' = {prompt_compression!r} is not 'prefill' or 'evict_to'"
+                f"kvevict.hf: argument 'prompt_compression' = {prompt_compression!r} is not one of "
+                f"{', '.join(_PROMPT_MODES)}"
             )
+        by_score = {scores, prompt_compression} & {"snapkv", "key_norms", "key_diff"}
+        if by_score and not self._h2o:
+            raise _ext.InvalidArgument(
+                f"kvevict.hf: {' and '.join(sorted(by_score))} scoring needs an h2o config (H2OConfig), "
+                f"not {type(config).__name__}"
+            )
+        if (scores != "attention" or prompt_compression == "key_norms") and self._h2o and config.decay != 0.0:
+            raise _ext.InvalidArgument(
+                "kvevict.hf: scores from the keys replace the old ones each step: the h2o config's decay must be 0 "
+                f"(H2OConfig.key_norm), it is {config.decay}"
+            )
+        if snap is not None and prompt_compression != "snapkv":
+            raise _ext.InvalidArgument("kvevict.hf: argument 'snap' applies to prompt_compression='snapkv' only")
+        self.scores = scores
+        self.snap = (snap or SnapKV.paper()) if prompt_compression == "snapkv" else None
         if self._greedy and prompt_compression == "prefill":
             raise _ext.InvalidArgument(
                 "kvevict.hf: exact_greedy has no batched prefill; use prompt_compression='evict_to'"
@@ -296,6 +356,8 @@ class KVEvictCache(Cache):
         budget = self.config.budget
         capacity = max(1, math.ceil(L / (budget + 1))) * (budget + 1)
         extra = dict(max_tokens=max(self.max_length, capacity), head_dim=D) if self._greedy else {}
+        if self.scores == "key_diff":
+            extra = dict(head_dim=D)  # KeyDiff's running anchors
         return BatchedPolicy(self.config, B, H, capacity, num_q_heads=Hq, device=device, **extra)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
@@ -379,7 +441,13 @@ def kvevict_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
             raise NotImplementedError("kvevict.hf: the prompt forward must hold the whole prompt")
         layer._place_prompt(key, value, Hq)
         causal = torch.full((L, L), torch.finfo(query.dtype).min, dtype=query.dtype, device=query.device).triu(1)
-        outs, sums = [], None
+        snap = layer.cache.snap
+        if snap is not None and L < snap.window:
+            raise _ext.OutOfRange(
+                f"kvevict.hf: the prompt has {L} tokens, fewer than the SnapKV window of {snap.window} rows"
+            )
+        first_window_row = L - snap.window if snap is not None else L
+        outs, sums, window = [], None, []
         last_probs = last_w = None
         step = L if L <= _PROMPT_ROWS_PER_BLOCK else _PROMPT_ROWS_PER_BLOCK
         for lo in range(0, L, step):
@@ -389,10 +457,13 @@ def kvevict_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
             if layer.cache._h2o and layer.cache.prompt_compression == "prefill":
                 part = p32.sum(dim=2)
                 sums = part if sums is None else sums + part
+            if hi > first_window_row:  # SnapKV's observation window: the last rows only
+                window.append(p32[:, :, max(first_window_row, lo) - lo:])
             last_probs, last_w = p32[:, :, -1, :], w[:, :, -1, :]
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
         lse = torch.logsumexp(last_w.float(), dim=-1)
-        layer._finish_prompt(sums, last_probs, query[:, :, -1], lse, scale)
+        window_probs = torch.cat(window, dim=2).contiguous() if window else None
+        layer._finish_prompt(sums, window_probs, last_probs, query[:, :, -1], lse, scale)
         return out, None
     if q_len != 1:
         raise NotImplementedError("kvevict.hf: one token per forward after the prompt")

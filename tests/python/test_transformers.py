@@ -120,6 +120,67 @@ def test_twenty_percent_budget_holds_budget_plus_one_slots_and_keeps_what_the_cp
                                           err_msg=f"layer {layer_idx} step {step}")
 
 
+@pytest.mark.parametrize("scores", ["key_norms", "key_diff"])
+def test_key_scored_steps_keep_what_the_cpp_policy_keeps_from_the_same_keys(smollm, scores):
+    model, tok = smollm
+    ids = prompt_ids(tok, 2)
+    L = ids.shape[1]
+    total = L + NEW_TOKENS
+    config = kv.H2OConfig.key_norm(total // 10, total // 10, 4)
+    assert L > config.budget  # the prompt is compressed, by the same rule
+    cache = kvhf.KVEvictCache(config, scores=scores, record=True)
+    watch = Watch(cache, config.budget + 1)
+    out = generate(model, ids, cache, logits_processor=transformers.LogitsProcessorList([watch]))
+    steps = out.shape[1] - L
+    # Replay every layer's keys through the C++ per-sequence h2o_policy, in a BHSD buffer of its own.
+    for layer_idx, layer in enumerate(cache.layers):
+        p = layer.policy
+        ref = kv.SequencePolicy(config, p.num_seqs, p.num_kv_heads, p.capacity, num_q_heads=p.num_q_heads)
+        records = layer.records
+        assert records[0]["kind"] == "prompt" and len(records) == steps
+        prompt = records[0]["keys"].numpy()
+        k = np.zeros((p.num_seqs, p.num_kv_heads, p.capacity, prompt.shape[-1]), prompt.dtype)
+        v = np.zeros_like(k)
+        k[:, :, :L] = prompt
+        for b in range(p.num_seqs):
+            getattr(ref, f"prefill_{scores}")(b, L, k, v)
+        np.testing.assert_array_equal(ref.positions(), watch.positions[0][layer_idx].numpy(), err_msg=f"layer {layer_idx} prompt")
+        for step, record in enumerate(records[1:], start=1):
+            k_new = record["k_new"].numpy()
+            for b in range(p.num_seqs):
+                position = ref.append(b)
+                for h in range(p.num_kv_heads):
+                    (slot,) = np.flatnonzero(ref.positions()[b, h] == position)
+                    k[b, h, slot] = k_new[b, h]
+                getattr(ref, f"observe_{scores}")(b, k)
+                ref.evict(b)
+            np.testing.assert_array_equal(ref.positions(), watch.positions[step][layer_idx].numpy(),
+                                          err_msg=f"layer {layer_idx} step {step}")
+
+
+def test_snapkv_prompt_compression_and_its_refusals(smollm):
+    model, tok = smollm
+    ids = prompt_ids(tok, 2)
+    config = kv.H2OConfig(7, 7)
+    cache = kvhf.KVEvictCache(config, prompt_compression="snapkv", snap=kv.SnapKV(8, 3, "max"))
+    watch = Watch(cache, config.budget + 1)
+    out = generate(model, ids, cache, logits_processor=transformers.LogitsProcessorList([watch]))
+    assert out.shape[1] > ids.shape[1]
+    # The window's 8 rows are always kept: the last 8 prompt positions sit in every head after the prompt.
+    for layer_positions in watch.positions[0]:
+        for row in layer_positions.reshape(-1, layer_positions.shape[-1]).numpy():
+            assert set(range(ids.shape[1] - 8, ids.shape[1])) <= set(row.tolist())
+    with pytest.raises(kv.OutOfRange, match="fewer than the SnapKV window of 64 rows"):
+        generate(model, ids[:, :20], kvhf.KVEvictCache(kv.H2OConfig(40, 40), prompt_compression="snapkv",
+                                                       snap=kv.SnapKV.kvpress()))
+    with pytest.raises(kv.InvalidArgument, match="decay must be 0"):
+        kvhf.KVEvictCache(kv.H2OConfig(7, 7), scores="key_diff")
+    with pytest.raises(kv.InvalidArgument, match="needs an h2o config"):
+        kvhf.KVEvictCache(kv.RecentWindowConfig(4, 10), prompt_compression="key_diff")
+    with pytest.raises(kv.InvalidArgument, match="'snap' applies to prompt_compression='snapkv' only"):
+        kvhf.KVEvictCache(kv.H2OConfig(7, 7), snap=kv.SnapKV.paper())
+
+
 @pytest.mark.parametrize(
     "config,prompt",
     [
