@@ -67,23 +67,30 @@ def main() -> None:
     L, N = ids.shape[1], args.new_tokens
     total = L + N
     budget = max(8, int(args.budget * total))
+    half = budget // 2
+    # (config, KVEvictCache options): the scoring rules beside the policies of the H2O paper.
     policies = {
-        "h2o": kv.H2OConfig(budget // 2, budget - budget // 2),
-        "recent_window": kv.RecentWindowConfig(sinks=4, window=budget - 4),
-        "random": kv.RandomConfig(budget, sinks=4, recent=budget // 2, seed=0),
-        "exact_greedy": kv.ExactGreedyConfig(budget, recent=budget // 2, sinks=4),
+        "h2o": (kv.H2OConfig(half, budget - half), {}),
+        "tova": (kv.H2OConfig.tova(half - 4, budget - half, sinks=4), {}),
+        "key_norm": (kv.H2OConfig.key_norm(half - 4, budget - half, sinks=4), dict(scores="key_norms")),
+        "key_diff": (kv.H2OConfig.key_norm(half - 4, budget - half, sinks=4), dict(scores="key_diff")),
+        "snapkv + h2o": (kv.H2OConfig(half, budget - half), dict(prompt_compression="snapkv",
+                                                                 snap=kv.SnapKV(min(16, L, budget - half), 7, "max"))),
+        "recent_window": (kv.RecentWindowConfig(sinks=4, window=budget - 4), {}),
+        "random": (kv.RandomConfig(budget, sinks=4, recent=half, seed=0), {}),
+        "exact_greedy": (kv.ExactGreedyConfig(budget, recent=half, sinks=4), dict(max_length=total)),
     }
     print(f"prompt {L} tokens, {N} new tokens, budget {budget} tokens per (layer, KV head) "
           f"({args.budget:.0%} of {total}); greedy decoding\n")
 
     rows = []
     dynamic_bytes = None
-    for name, attn, config in [("dynamic (eager)", "eager", None), ("dynamic (sdpa)", "sdpa", None)] + [
+    for name, attn, (config, options) in [("dynamic (eager)", "eager", (None, {})), ("dynamic (sdpa)", "sdpa", (None, {}))] + [
         (f"kvevict {k}", "kvevict", c) for k, c in policies.items()
     ]:
         cache = None
         if config is not None:
-            cache = kvhf.KVEvictCache(config, max_length=total)
+            cache = kvhf.KVEvictCache(config, **options)
         text, rate, length = run(model, tok, ids, attn, cache, N)
         layers, heads, dim = model.config.num_hidden_layers, model.config.num_key_value_heads, model.config.head_dim
         if cache is None:
