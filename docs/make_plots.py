@@ -47,7 +47,7 @@ with open(os.path.join(here, "data", "fidelity.json")) as f:
     run = json.load(f)
 rows = [r for r in run["results"] if r["policy"] not in ("full", "h2o_lse")]
 labels = {"h2o": "h2o (heavy + recent half)", "tova": "TOVA (decay 0)", "decayed": "decayed attention, 0.9",
-          "recent_window": "recent window, 4 sinks", "key_norm": "key-norm",
+          "recent_window": "recent window, 4 sinks", "key_norm": "key-norm", "key_diff": "KeyDiff",
           "recent_only": "recent only, 0 sinks", "random": "random, unprotected",
           "random_protected": "random, 4 sinks + recent half",
           "exact_greedy": "exact greedy (1-step oracle), unprotected",
@@ -64,9 +64,15 @@ for p in names:
            label=labels[p])
     b.plot(pct, [100 * r["top1_agreement"] for r in rs], marker="o", ls=style, label=labels[p])
 b.axhline(100.0, color="black", lw=0.8, ls=":")
-a.set_yscale("symlog", linthresh=1.0)
+increases = [r["ppl_evicted"] / r["ppl_full_same_positions"] - 1 for r in rows]
+if min(increases) > 0:
+    a.set_yscale("log")
+    a.yaxis.set_minor_formatter(matplotlib.ticker.FuncFormatter(lambda y, _: f"{y:g}" if f"{y:g}"[0] in "25" else ""))
+    a.set_ylabel("perplexity increase over the full cache, % (log scale)")
+else:  # a policy below the full cache: symlog shows both signs
+    a.set_yscale("symlog", linthresh=1.0)
+    a.set_ylabel("perplexity increase over the full cache, % (symlog)")
 a.yaxis.set_major_formatter(plain)
-a.set_ylabel("perplexity increase over the full cache, % (symlog)")
 b.set_ylabel("% top-1 agreement with the full cache")
 for axis in (a, b):
     axis.set_xlabel("KV budget, % of the window")

@@ -31,23 +31,39 @@ fi
 
 if [ "${FIDELITY_STAGE:-all}" != report ]; then
   source scripts/fidelity/prepare.sh
-  # The two evaluations run side by side, each on half the cores: on a
-  # shared machine one thread per process wastes less in OpenMP barriers.
-  half=$(( $(nproc) / 2 ))
-  [ "$half" -ge 1 ] || half=1
-  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$half}
+  # Perplexity and each context length of the retrieval run side by side
+  # as separate processes, the cores shared among them: on a shared 2-core
+  # machine one thread per process wastes less in OpenMP barriers than two.
+  IFS=, read -r -a length_list <<< "$lengths"
+  cores=$(nproc --all)  # plain nproc would answer OMP_NUM_THREADS
+  per=$(( cores / (1 + ${#length_list[@]}) ))
+  [ "$per" -ge 1 ] || per=1
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$per}
   start=$(date +%s)
+  pids=()
   "$fidelity" eval --model "$model" --text "$text" --window 1024 --windows "$windows" --budgets 10,20,50 \
     --json "$build/fidelity.json" "$@" > "$build/fidelity.md" &
-  ppl_pid=$!
-  "$needle" --model "$model" --text "$text" --lengths "$lengths" --depths "$depths" --words "$words" \
-    --budgets 10,20 --json "$build/needle.json" > "$build/needle.md"
-  wait "$ppl_pid"
-  cat "$build/fidelity.md" "$build/needle.md"
+  pids+=($!)
+  for length in "${length_list[@]}"; do
+    "$needle" --model "$model" --text "$text" --lengths "$length" --depths "$depths" --words "$words" \
+      --budgets 10,20 --json "$build/needle-$length.json" > "$build/needle-$length.md" 2> "$build/needle-$length.log" &
+    pids+=($!)
+  done
+  status=0
+  for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+  [ "$status" = 0 ] || { echo "run-fidelity.sh: an evaluation failed (logs in $build)" >&2; exit 1; }
+  cat "$build/fidelity.md" "$build"/needle-*.md
+  # One needle.json: the lengths' rows in the order asked, the longest wall time.
+  "$python" - "$build/needle.json" "${length_list[@]/#/$build/needle-}" <<'PY'
+import json, sys
+runs = [json.load(open(p + ".json")) for p in sys.argv[2:]]
+merged = dict(runs[0], seconds=max(r["seconds"] for r in runs), results=[x for r in runs for x in r["results"]])
+json.dump(merged, open(sys.argv[1], "w"), indent=1)
+PY
   end=$(date +%s)
   cat > "$build/fidelity-run.json" <<JSON
 {"date": "$(date -u +%Y-%m-%d)", "seconds": $((end - start)), "threads": $OMP_NUM_THREADS,
- "cpu": "$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//')", "cores": $(nproc),
+ "cpu": "$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//')", "cores": $cores,
  "command": "FIDELITY_WINDOWS=$windows FIDELITY_LENGTHS=$lengths FIDELITY_DEPTHS=$depths FIDELITY_WORDS=$words scripts/run-fidelity.sh${*:+ $*}"}
 JSON
   cp "$build/fidelity.json" "$build/needle.json" "$build/fidelity-run.json" docs/data/
