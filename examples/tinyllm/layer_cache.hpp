@@ -20,8 +20,10 @@
 namespace tinyllm {
 
 /// h2o covers the decayed rules too (decay 0: TOVA); key_norm and key_diff
-/// are h2o observed through key norms and KeyDiff's cosines; lookahead and topk are the evaluation's
-/// oracles (attention_record.hpp, docs/fidelity.md), not library policies.
+/// are h2o observed through key norms and KeyDiff's cosines; lookahead and
+/// topk are the evaluation's oracles (attention_record.hpp,
+/// docs/fidelity.md), not library policies. h2o, key_norm and key_diff keep
+/// H2O's split: the newest budget / 2 tokens, the rest by score.
 enum class policy_kind { full, h2o, recent_window, random, exact_greedy, key_norm, key_diff, lookahead, topk };
 
 /// Prompt compression (prefill): the first prompt_length tokens of a
@@ -39,7 +41,7 @@ enum class score_source { probs, lse };
 struct policy_spec {
   policy_kind kind = policy_kind::full;
   std::int32_t budget = 0;  ///< tokens kept between steps
-  std::int32_t sinks = 0;   ///< recent_window, random, exact_greedy: first positions always kept
+  std::int32_t sinks = 0;   ///< first positions always kept (not by full, lookahead, topk)
   std::uint64_t seed = 0;   ///< random
   std::int32_t recent = 0;  ///< random, exact_greedy: newest positions always kept
   score_source source = score_source::probs;
