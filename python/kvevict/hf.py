@@ -122,6 +122,8 @@ class KVEvictLayer(CacheLayerMixin):
             )
         if B != self.policy.num_seqs:
             raise NotImplementedError("kvevict.hf: the batch size changed between forwards (beam search?)")
+        if self.layer_idx == 0 and self.policy._cuda:
+            self.cache.check()  # the last step's refusals: a CUDA call does not wait to raise them
         self.policy.append(cache=self._view, k_new=key_states[:, :, 0], v_new=value_states[:, :, 0])
         if self.cache.record:
             self._k_new = key_states[:, :, 0].cpu()
@@ -382,6 +384,16 @@ class KVEvictCache(Cache):
     @property
     def is_compileable(self) -> bool:
         return False
+
+    def check(self) -> None:
+        """Raises the first refusal (bad data: a NaN in the attention, a
+        non-finite key) any layer's policy recorded since the last check.
+        On the CPU the policies raise as they run; on CUDA they record it on
+        the device, and each decode step checks the previous one's at its
+        start: call this after ``generate`` for the last step."""
+        for layer in self.layers:
+            if getattr(layer, "policy", None) is not None:
+                layer.policy.check()
 
     # ---- reporting ------------------------------------------------------------------------
 

@@ -114,6 +114,8 @@ class BatchedPolicy:
                 )
             self.state = torch.empty(self._desc.state_bytes, dtype=torch.uint8, device=self.device)
         self._cuda = self._torch is not None and self.device.type == "cuda"
+        # CUDA calls since the last check(): the call its refusal came from, by name.
+        self._unchecked: set = set()
         _ext.init(self._desc, for_ext(self.state), self._stream(None))
         self._offsets = _ext.state_offsets(self._desc, for_ext(self.state))
         B, H, C = num_seqs, num_kv_heads, capacity
@@ -170,7 +172,11 @@ class BatchedPolicy:
         """Raises the first bad input recorded since the last check, and clears
         it. Host calls already raise when they return; on CUDA this waits for
         ``stream`` (default: torch's current stream)."""
-        _ext.check(self._desc, for_ext(self.state), self._stream(stream))
+        # A refusal names the call it came from, as the host's exception
+        # does, when one kind of call ran since the last check.
+        call = next(iter(self._unchecked)) if len(self._unchecked) == 1 else "check"
+        self._unchecked = set()
+        _ext.check(self._desc, for_ext(self.state), self._stream(stream), call)
 
     # ---- the calls ------------------------------------------------------------
 
@@ -180,6 +186,7 @@ class BatchedPolicy:
         entry, else the sequence index."""
         if self._compiling():
             return self._ops().reset(self.state, self.descriptor, self._active(active), self._array(streams, np.int64))
+        self._launched("reset")
         _ext.reset(self._desc, for_ext(self.state), for_ext(self._active(active)), for_ext(self._array(streams, np.uint64)),
                    self._stream(stream))
 
@@ -203,6 +210,7 @@ class BatchedPolicy:
                 raise _ext.InvalidArgument("kvevict.append: argument 'k_new'/'v_new' need 'cache'")
             if self._compiling():
                 return self._ops().append(self.state, self.descriptor, active)
+            self._launched("append")
             return _ext.append(self._desc, for_ext(self.state), for_ext(active), self._stream(stream))
         if k_new is None or v_new is None:
             raise _ext.InvalidArgument("kvevict.append: argument 'k_new' and 'v_new' are required with 'cache'")
@@ -210,6 +218,7 @@ class BatchedPolicy:
             return self._ops().append_kv(
                 self.state, self.descriptor, cache.k, cache.v, cache.page_table, cache._code, k_new, v_new, active
             )
+        self._launched("append")
         _ext.append_kv(
             self._desc, for_ext(self.state), cache._code, cache._ext_k(), cache._ext_v(), for_ext(cache.page_table),
             for_ext(k_new), for_ext(v_new), for_ext(active), self._stream(stream),
@@ -265,6 +274,7 @@ class BatchedPolicy:
                     cache.k, cache.v, cache.page_table, cache._code, active,
                 )  # fmt: skip
             victims = self._victims(out)
+            self._launched("observe_evict")
             _ext.observe_evict_queries(
                 self._desc, for_ext(self.state), for_ext(queries), for_ext(lse), float(scale), base_code, cache._code,
                 cache._ext_k(), cache._ext_v(), for_ext(cache.page_table), for_ext(victims), for_ext(active),
@@ -279,6 +289,7 @@ class BatchedPolicy:
         if self._compiling():
             return self._ops().observe_evict(self.state, self.descriptor, kind, x, lse, float(scale), base_code, active)
         victims = self._victims(out)
+        self._launched("observe_evict")
         _ext.observe_evict(
             self._desc, for_ext(self.state), kind, for_ext(x), for_ext(lse), float(scale), base_code, for_ext(victims),
             for_ext(active), self._stream(stream),
@@ -349,6 +360,7 @@ class BatchedPolicy:
         if self._compiling():
             return getattr(self._ops(), name)(self.state, self.descriptor, k, page_table, code, active)
         victims = self._victims(out)
+        self._launched("observe_evict")
         getattr(_ext, name)(
             self._desc, for_ext(self.state), code, for_ext(k) if ext_k is None else ext_k, for_ext(page_table),
             for_ext(victims), for_ext(active), self._stream(stream),
@@ -411,6 +423,7 @@ class BatchedPolicy:
         if self._cuda:
             from . import ops
 
+            self._launched("prefill")
             return ops.prefill(
                 self.state, self.descriptor, lengths, int(max_length), kind, x, lse, float(scale), base_code,
                 cache.k, cache.v, cache.page_table, cache._code, active,
@@ -513,6 +526,7 @@ class BatchedPolicy:
             max_length = int(lengths.max()) if len(lengths) else 0
         active = self._active(active)
         if self._compiling() or self._cuda:
+            self._launched("prefill")
             return op(lengths, int(max_length), active)
         reclaimable = self._new_int32((self.num_seqs,), 0)
         ext(lengths, int(max_length), reclaimable, active)
@@ -591,6 +605,7 @@ class BatchedPolicy:
             max_length = int(lengths.max()) if len(lengths) else 0
         active = self._active(active)
         if self._compiling() or self._cuda:
+            self._launched("prefill")
             return self._ops().prefill_snapkv(
                 self.state, self.descriptor, lengths, int(max_length), kind, x, lse, float(scale), base_code,
                 pool_width, pooling, cache.k, cache.v, cache.page_table, cache._code, active,
@@ -612,6 +627,7 @@ class BatchedPolicy:
         active = self._active(active)
         if self._compiling():
             return self._ops().append_tokens(self.state, self.descriptor, int(tokens), active)
+        self._launched("append_tokens")
         _ext.append_tokens(self._desc, for_ext(self.state), int(tokens), for_ext(active), self._stream(stream))
 
     def evict_to(
@@ -651,6 +667,7 @@ class BatchedPolicy:
             B, H, C = self.num_seqs, self.num_kv_heads, self.capacity
             moves = self._new_int32((B, H, C, 2), -1)
             counts = self._new_int32((B, H), 0)
+            self._launched("evict_to")
             _ext.evict_to_moves(
                 self._desc, for_ext(self.state), int(target), for_ext(moves), for_ext(counts), for_ext(active),
                 self._stream(stream),
@@ -662,6 +679,7 @@ class BatchedPolicy:
                 queries, lse, float(scale), base_code, active,
             )  # fmt: skip
         freed = self._new_int32((self.num_seqs, self.num_kv_heads), 0)
+        self._launched("evict_to")
         _ext.evict_to(
             self._desc, for_ext(self.state), int(target), cache._code, cache._ext_k(), cache._ext_v(),
             for_ext(cache.page_table), for_ext(queries), for_ext(lse), float(scale), base_code, for_ext(freed),
@@ -677,6 +695,11 @@ class BatchedPolicy:
         # extension directly, which costs less per call.
         torch = self._torch
         return torch is not None and torch.compiler.is_compiling()
+
+    def _launched(self, call: str) -> None:
+        """Notes an eager CUDA call, whose refusal check() raises later."""
+        if self._cuda and not self._compiling():
+            self._unchecked.add(call)
 
     def _ops(self) -> Any:
         from . import ops

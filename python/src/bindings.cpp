@@ -983,19 +983,21 @@ std::uint64_t status_word(const Descriptor& desc, nb::handle memory, std::uintpt
   return *st.status;
 }
 
-/// Raises the status word's exception (CUDA: after waiting for `stream`) and clears it.
-void check(const Descriptor& desc, nb::handle memory, std::uintptr_t stream) {
+/// Raises the status word's exception (CUDA: after waiting for `stream`) and
+/// clears it. `call`: the call the refusal came from, when the caller knows
+/// (the message names it, and a prefill's refusal leaves the whole sequence).
+void check(const Descriptor& desc, nb::handle memory, std::uintptr_t stream, const std::string& call) {
   const state_ref st = resolve_state(desc, memory, "check");
 #ifdef KVEVICT_PY_CUDA
   if (st.dev.cuda()) {
     const std::uint64_t word = cuda::read_status(st.status, stream_of(stream));
     if (word == kvevict::batch_status_clear) return;
     cuda::clear_status(st.status, stream_of(stream));
-    kvevict::throw_if_error(word, "check");
+    kvevict::throw_if_error(word, call.c_str());
   }
 #endif
   (void)stream;
-  raise_host_status(st.status, "check");
+  raise_host_status(st.status, call.c_str());
 }
 
 /// Byte offsets of the state's arrays from the start of `memory`, so that
@@ -1427,7 +1429,7 @@ NB_MODULE(_ext, m) {
         "k_cache"_a, "v_cache"_a, "page_table"_a.none(), "reclaimable_pages"_a.none(), "active"_a = none,
         "workspace"_a = none, "stream"_a = 0);
   m.def("status_word", &status_word, "desc"_a, "state"_a, "stream"_a = 0);
-  m.def("check", &check, "desc"_a, "state"_a, "stream"_a = 0);
+  m.def("check", &check, "desc"_a, "state"_a, "stream"_a = 0, "call"_a = "check");
   m.def("state_offsets", &state_offsets, "desc"_a, "state"_a);
   m.def("as_bfloat16", &as_bfloat16, "array"_a);
   m.def("_bench_decode_steps", &bench_decode_steps, "desc"_a, "state"_a, "probs"_a, "victims"_a, "steps"_a);
