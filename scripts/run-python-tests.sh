@@ -66,7 +66,7 @@ build_done=$(date +%s)
 export OMP_NUM_THREADS=1
 status=0
 "$venv/bin/python" -m pytest tests/python -p no:cacheprovider || status=$?
-"$oldest/bin/python" -m pytest tests/python/test_transformers.py -p no:cacheprovider || status=$?
+"$oldest/bin/python" -m pytest tests/python/test_transformers.py tests/python/test_hf_devices.py -p no:cacheprovider || status=$?
 end=$(date +%s)
 echo "python tests: environment $((setup_done - start)) s, build $((build_done - setup_done)) s," \
      "tests $((end - build_done)) s, phase $((end - start)) s"

@@ -14,6 +14,7 @@ transformers = pytest.importorskip("transformers")
 
 import kvevict as kv  # noqa: E402
 import kvevict.hf as kvhf  # noqa: E402
+import hf_replay  # noqa: E402
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PROMPTS = [
@@ -23,6 +24,7 @@ PROMPTS = [
     "let it rise for an hour, shape the loaf, and bake it in a hot oven until the crust is",
 ]
 NEW_TOKENS = 24
+HEAD_DIM = 64  # SmolLM2-135M
 
 
 @pytest.fixture(scope="module")
@@ -45,29 +47,7 @@ def prompt_ids(tok, n):
 
 
 def generate(model, ids, cache=None, attn="kvevict", **kw):
-    model.set_attn_implementation(attn)
-    kwargs = dict(max_new_tokens=NEW_TOKENS, do_sample=False, attention_mask=torch.ones_like(ids))
-    kwargs.update(kw)
-    if cache is not None:
-        kwargs.update(kvhf.generate_kwargs(cache))
-    with torch.no_grad():
-        return model.generate(ids, **kwargs)
-
-
-class Watch(transformers.LogitsProcessor):
-    """Called after every forward: snapshots each layer's slot table and checks its tensors' size."""
-
-    def __init__(self, cache, slots):
-        self.cache, self.slots, self.positions = cache, slots, []
-
-    def __call__(self, input_ids, scores):
-        for layer in self.cache.layers:
-            B, H = layer.policy.num_seqs, layer.policy.num_kv_heads
-            assert tuple(layer.keys.shape) == (B, H, self.slots, 64), layer.keys.shape
-            assert tuple(layer.values.shape) == (B, H, self.slots, 64)
-            assert int(layer.policy.counts.max()) <= self.slots
-        self.positions.append([layer.policy.positions.clone() for layer in self.cache.layers])
-        return scores
+    return hf_replay.generate(model, ids, NEW_TOKENS, cache, attn, **kw)
 
 
 @pytest.mark.parametrize("batch", [1, 2])
@@ -95,29 +75,12 @@ def test_twenty_percent_budget_holds_budget_plus_one_slots_and_keeps_what_the_cp
     L = ids.shape[1]
     assert L > config.budget  # the prompt is compressed
     cache = kvhf.KVEvictCache(config, record=True)
-    watch = Watch(cache, config.budget + 1)
+    watch = hf_replay.Watch(cache, config.budget + 1, HEAD_DIM)
     out = generate(model, ids, cache, logits_processor=transformers.LogitsProcessorList([watch]))
     steps = out.shape[1] - L
     assert len(watch.positions) == steps  # one check per forward
     assert cache.kv_bytes() * 5 < cache.dynamic_kv_bytes() * 1.1
-    # Replay every layer's recorded attention through the C++ per-sequence h2o_policy.
-    for layer_idx, layer in enumerate(cache.layers):
-        p = layer.policy
-        ref = kv.SequencePolicy(config, p.num_seqs, p.num_kv_heads, p.capacity, num_q_heads=p.num_q_heads)
-        records = layer.records
-        assert records[0]["kind"] == "prompt" and len(records) == steps
-        sums = records[0]["column_sums"].numpy()
-        for b in range(batch):
-            ref.prefill_column_sums(b, L, np.ascontiguousarray(sums[b]))
-        np.testing.assert_array_equal(ref.positions(), watch.positions[0][layer_idx].numpy(), err_msg=f"layer {layer_idx} prompt")
-        for step, record in enumerate(records[1:], start=1):
-            probs = record["probs"].numpy()
-            for b in range(batch):
-                ref.append(b)
-                ref.observe_probs(b, np.ascontiguousarray(probs[b]))
-                ref.evict(b)
-            np.testing.assert_array_equal(ref.positions(), watch.positions[step][layer_idx].numpy(),
-                                          err_msg=f"layer {layer_idx} step {step}")
+    hf_replay.replay_attention(cache, watch, config, L, steps)  # the C++ per-sequence h2o_policy keeps the same
 
 
 @pytest.mark.parametrize("scores", ["key_norms", "key_diff"])
@@ -129,33 +92,10 @@ def test_key_scored_steps_keep_what_the_cpp_policy_keeps_from_the_same_keys(smol
     config = kv.H2OConfig.key_norm(total // 10, total // 10, 4)
     assert L > config.budget  # the prompt is compressed, by the same rule
     cache = kvhf.KVEvictCache(config, scores=scores, record=True)
-    watch = Watch(cache, config.budget + 1)
+    watch = hf_replay.Watch(cache, config.budget + 1, HEAD_DIM)
     out = generate(model, ids, cache, logits_processor=transformers.LogitsProcessorList([watch]))
     steps = out.shape[1] - L
-    # Replay every layer's keys through the C++ per-sequence h2o_policy, in a BHSD buffer of its own.
-    for layer_idx, layer in enumerate(cache.layers):
-        p = layer.policy
-        ref = kv.SequencePolicy(config, p.num_seqs, p.num_kv_heads, p.capacity, num_q_heads=p.num_q_heads)
-        records = layer.records
-        assert records[0]["kind"] == "prompt" and len(records) == steps
-        prompt = records[0]["keys"].numpy()
-        k = np.zeros((p.num_seqs, p.num_kv_heads, p.capacity, prompt.shape[-1]), prompt.dtype)
-        v = np.zeros_like(k)
-        k[:, :, :L] = prompt
-        for b in range(p.num_seqs):
-            getattr(ref, f"prefill_{scores}")(b, L, k, v)
-        np.testing.assert_array_equal(ref.positions(), watch.positions[0][layer_idx].numpy(), err_msg=f"layer {layer_idx} prompt")
-        for step, record in enumerate(records[1:], start=1):
-            k_new = record["k_new"].numpy()
-            for b in range(p.num_seqs):
-                position = ref.append(b)
-                for h in range(p.num_kv_heads):
-                    (slot,) = np.flatnonzero(ref.positions()[b, h] == position)
-                    k[b, h, slot] = k_new[b, h]
-                getattr(ref, f"observe_{scores}")(b, k)
-                ref.evict(b)
-            np.testing.assert_array_equal(ref.positions(), watch.positions[step][layer_idx].numpy(),
-                                          err_msg=f"layer {layer_idx} step {step}")
+    hf_replay.replay_keys(cache, watch, config, L, steps, scores)  # the C++ per-sequence h2o_policy keeps the same
 
 
 def test_snapkv_prompt_compression_and_its_refusals(smollm):
@@ -163,7 +103,7 @@ def test_snapkv_prompt_compression_and_its_refusals(smollm):
     ids = prompt_ids(tok, 2)
     config = kv.H2OConfig(7, 7)
     cache = kvhf.KVEvictCache(config, prompt_compression="snapkv", snap=kv.SnapKV(8, 3, "max"))
-    watch = Watch(cache, config.budget + 1)
+    watch = hf_replay.Watch(cache, config.budget + 1, HEAD_DIM)
     out = generate(model, ids, cache, logits_processor=transformers.LogitsProcessorList([watch]))
     assert out.shape[1] > ids.shape[1]
     # The window's 8 rows are always kept: the last 8 prompt positions sit in every head after the prompt.
@@ -195,7 +135,7 @@ def test_every_policy_generates_with_budget_plus_one_slots(smollm, config, promp
     model, tok = smollm
     ids = prompt_ids(tok, 2)
     cache = kvhf.KVEvictCache(config, prompt_compression=prompt, max_length=ids.shape[1] + NEW_TOKENS)
-    watch = Watch(cache, config.budget + 1)
+    watch = hf_replay.Watch(cache, config.budget + 1, HEAD_DIM)
     out = generate(model, ids, cache, logits_processor=transformers.LogitsProcessorList([watch]))
     assert out.shape == (2, ids.shape[1] + NEW_TOKENS) or out.shape[1] > ids.shape[1]
     assert all(l.seen == out.shape[1] - 1 for l in cache.layers)
@@ -209,7 +149,7 @@ def test_sampling_is_reproducible_and_stays_within_the_budget(smollm):
     for _ in range(2):
         torch.manual_seed(123)
         cache = kvhf.KVEvictCache(config)
-        watch = Watch(cache, config.budget + 1)
+        watch = hf_replay.Watch(cache, config.budget + 1, HEAD_DIM)
         runs.append(generate(model, ids, cache, do_sample=True, top_k=20,
                              logits_processor=transformers.LogitsProcessorList([watch])))
     assert torch.equal(runs[0], runs[1])

@@ -1,0 +1,93 @@
+"""kvevict.hf on every device: a small Llama with random weights (2 layers,
+4 query heads, 2 KV heads, head_dim 16; built from a config, nothing
+downloaded) generates on the CPU and, where there is a GPU, on CUDA, where
+the cache's tensors, the slot tables and the policy calls all live on the
+GPU. The same checks as test_transformers.py makes on SmolLM2 (which needs
+the GGUF of a PyPI package the GPU machine lacks): with a budget covering
+the sequence the tokens are the dynamic cache's; at 20% every layer holds
+budget + 1 slots per head at every step and keeps what the C++
+per-sequence policy keeps when fed the same attention or keys."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import kvevict as kv  # noqa: E402
+import kvevict.hf as kvhf  # noqa: E402
+import hf_replay  # noqa: E402
+
+PROMPT, NEW_TOKENS, HEAD_DIM = 40, 16, 16
+
+
+@pytest.fixture(scope="module", params=["cpu", "cuda"])
+def tiny(request):
+    if request.param == "cuda" and not (kv.cuda_available and torch.cuda.is_available()):
+        pytest.skip("needs the CUDA backend and a GPU")
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=HEAD_DIM, max_position_embeddings=256,
+        initializer_range=0.2,  # decisive logits: greedy tokens do not hinge on rounding
+        bos_token_id=1, eos_token_id=None, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval().to(request.param)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    ids = torch.randint(2, 128, (2, PROMPT), generator=torch.Generator().manual_seed(1)).to(request.param)
+    return model, ids
+
+
+def generate(model, ids, cache=None, attn="kvevict", **kw):
+    return hf_replay.generate(model, ids, NEW_TOKENS, cache, attn, min_new_tokens=NEW_TOKENS, **kw)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_budget_covering_the_sequence_gives_the_dynamic_cache_tokens(tiny, batch):
+    model, ids = tiny
+    ids = ids[:batch]
+    config = kv.H2OConfig(28, 28)
+    assert config.budget >= PROMPT + NEW_TOKENS  # nothing is ever evicted
+    expected = generate(model, ids, attn="eager")
+    cache = kvhf.KVEvictCache(config)
+    got = generate(model, ids, cache)
+    assert got.device == ids.device and all(layer.keys.device == ids.device for layer in cache.layers)
+    assert torch.equal(got, expected)
+
+
+def test_twenty_percent_budget_holds_budget_plus_one_slots_and_keeps_what_the_cpp_policy_keeps(tiny):
+    model, ids = tiny
+    config = kv.H2OConfig.from_ratios(PROMPT + NEW_TOKENS, 0.1, 0.1)
+    assert PROMPT > config.budget  # the prompt is compressed
+    cache = kvhf.KVEvictCache(config, record=True)
+    watch = hf_replay.Watch(cache, config.budget + 1, HEAD_DIM)
+    out = generate(model, ids, cache, logits_processor=transformers.LogitsProcessorList([watch]))
+    steps = out.shape[1] - PROMPT
+    assert steps == NEW_TOKENS and len(watch.positions) == steps  # one check per forward
+    hf_replay.replay_attention(cache, watch, config, PROMPT, steps)
+
+
+@pytest.mark.parametrize("scores", ["key_norms", "key_diff"])
+def test_key_scored_steps_keep_what_the_cpp_policy_keeps(tiny, scores):
+    model, ids = tiny
+    total = PROMPT + NEW_TOKENS
+    config = kv.H2OConfig.key_norm(total // 10, total // 10, 2)
+    cache = kvhf.KVEvictCache(config, scores=scores, record=True)
+    watch = hf_replay.Watch(cache, config.budget + 1, HEAD_DIM)
+    out = generate(model, ids, cache, logits_processor=transformers.LogitsProcessorList([watch]))
+    hf_replay.replay_keys(cache, watch, config, PROMPT, out.shape[1] - PROMPT, scores)
+
+
+def test_sampling_is_reproducible(tiny):
+    model, ids = tiny
+    config = kv.H2OConfig.from_ratios(PROMPT + NEW_TOKENS, 0.1, 0.1)
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(123)
+        cache = kvhf.KVEvictCache(config)
+        watch = hf_replay.Watch(cache, config.budget + 1, HEAD_DIM)
+        runs.append(generate(model, ids, cache, do_sample=True, top_k=20,
+                             logits_processor=transformers.LogitsProcessorList([watch])))  # fmt: skip
+    assert torch.equal(runs[0], runs[1])
