@@ -8,6 +8,10 @@
 #   lib/   the shared libraries they need beyond the C and C++ runtimes
 #          (Google Benchmark's libbenchmark.so.1debian, libcudart.so.13)
 #   run.sh (scripts/gpu-run.sh), bench_torch.py, bench_report.py, MANIFEST
+#   python/  when PACK_PYTHON names a Python 3.12 here (the GPU machine's
+#          minor version): the package (python/kvevict with its extension,
+#          built for that Python with the CUDA backend) and tests/python,
+#          for run.sh's python-cuda phase; without it that phase is skipped
 #
 #   scripts/gpu-pack.sh                 # Release build for sm_90 in build-gpu-pack/, then the pack
 #   scripts/gpu-pack.sh --from build    # pack an existing Release build's binaries, building nothing
@@ -41,6 +45,11 @@ while [ $# -gt 0 ]; do
 done
 
 arch=${CUDA_ARCH:-90}
+# The Python package's extension is built for the GPU machine's Python
+# (3.12: Ubuntu 24.04's) with this one's nanobind (NANOBIND_PYTHON: the
+# test environment of scripts/run-python-tests.sh, or any with nanobind).
+pack_python=${PACK_PYTHON:-}
+nanobind_python=${NANOBIND_PYTHON:-build-python/venv/bin/python}
 limit_bytes=$((64 << 20))
 # The GPU machine runs Ubuntu 24.04: glibc 2.39; libstdc++ of GCC 13 at least.
 target_glibc=${TARGET_GLIBC:-2.39}
@@ -99,12 +108,30 @@ for f in "${binaries[@]}"; do
     grep -Eq "$system" <<<"$name" || cp -L "$path" "$out/lib/$name"
   done
 done
+if [ -n "$pack_python" ]; then
+  pybuild=${build%/}-python
+  nanobind_dir=$("$nanobind_python" -m nanobind --cmake_dir) || {
+    echo "gpu-pack: $nanobind_python has no nanobind (NANOBIND_PYTHON)" >&2
+    exit 1
+  }
+  start=$SECONDS
+  cmake -S . -B "$pybuild" -DCMAKE_BUILD_TYPE=Release -DKVEVICT_BUILD_PYTHON=ON -DKVEVICT_ENABLE_CUDA=ON \
+    -DKVEVICT_BUILD_TESTS=OFF -DKVEVICT_BUILD_EXAMPLES=OFF -DKVEVICT_BUILD_BENCHMARKS=OFF -DKVEVICT_INSTALL=OFF \
+    -DPython_EXECUTABLE="$(command -v "$pack_python")" -Dnanobind_ROOT="$nanobind_dir" \
+    -DKVEVICT_PYTHON_CUDA_ARCHITECTURES="$arch-real" -DCMAKE_CUDA_FLAGS="-lineinfo --compress-mode=size" >/dev/null
+  cmake --build "$pybuild" -j"${JOBS:-$(nproc)}" --target _ext
+  echo "gpu-pack: Python extension for $("$pack_python" --version 2>&1) built in $((SECONDS - start)) s"
+  mkdir -p "$out/python/kvevict" "$out/python/tests"
+  cp python/kvevict/*.py python/kvevict/*.pyi python/kvevict/py.typed "$out/python/kvevict/"
+  cp "$pybuild"/python/_ext*.so "$out/python/kvevict/"
+  cp tests/python/*.py "$out/python/tests/"
+fi
 cp scripts/gpu-run.sh "$out/run.sh"
 cp scripts/bench_torch.py scripts/bench_report.py "$out/"
 chmod +x "$out/run.sh"
 
 # The newest glibc and libstdc++ symbol versions the pack needs.
-newest() { objdump -T "$out"/bin/* "$out"/lib/* 2>/dev/null | grep -oE "\\b$1_[0-9]+(\\.[0-9]+)*" | sort -uV | tail -1; }
+newest() { objdump -T "$out"/bin/* "$out"/lib/* "$out"/python/kvevict/*.so 2>/dev/null | grep -oE "\\b$1_[0-9]+(\\.[0-9]+)*" | sort -uV | tail -1; }
 version_ok() { [ -z "$1" ] || [ "$(printf '%s\n%s\n' "${1#*_}" "$2" | sort -V | tail -1)" = "$2" ]; }
 glibc=$(newest GLIBC)
 glibcxx=$(newest GLIBCXX)
@@ -116,7 +143,7 @@ fi
 commit=unknown
 if head=$(git rev-parse --short=12 HEAD 2>/dev/null); then
   commit=$head
-  git diff --quiet HEAD -- include tests benchmarks examples scripts || commit="$commit+uncommitted"
+  git diff --quiet HEAD -- include tests benchmarks examples scripts python || commit="$commit+uncommitted"
 fi
 {
   echo "commit: $commit"
@@ -125,7 +152,12 @@ fi
     "(benchmark $(cache_value KVEVICT_BENCH_CUDA_ARCHITECTURES)); CUDA flags: $(cache_value CMAKE_CUDA_FLAGS)"
   echo "nvcc: $("$(cache_value CMAKE_CUDA_COMPILER)" --version 2>/dev/null | sed -n 's/.*release \([0-9.]*\),.*/\1/p')"
   echo "needs: $glibc, $glibcxx"
-  (cd "$out" && find bin lib -type f -printf '%s %p\n' | sort -k2)
+  folders=(bin lib)
+  if [ -d "$out/python" ]; then
+    echo "python: the package and tests/python; extension for $("$pack_python" --version 2>&1)"
+    folders+=(python)
+  fi
+  (cd "$out" && find "${folders[@]}" -name '*.py' -prune -o -type f -printf '%s %p\n' | sort -k2)
 } >"$out/MANIFEST"
 
 bytes=$(du -sb "$out" | cut -f1)

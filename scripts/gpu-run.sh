@@ -131,6 +131,13 @@ lane_torch_warmup() {
     --min-time 0 --out "$WORK/torch-warmup.json"
 }
 
+# The Python package on CUDA tensors (the pack's python/, built when
+# scripts/gpu-pack.sh had PACK_PYTHON): every test of tests/python whose id
+# names cuda: the CUDA launchers against the host through Python, the
+# caller's stream, CUDA graph replay, torch.compile, kvevict.hf generating
+# on the GPU. Beside the sanitizers: it times nothing.
+lane_python() { phase python-cuda 150 "$SELF" --python-tests; }
+
 # Benchmarks, alone on the GPU. Two processes, so a hang in one family keeps the other's rows.
 lane_bench() {
   phase bench-decode 50 env "$LDP" "$BIN/kvevict_bench_cuda" --benchmark_filter="$BENCH_DECODE" \
@@ -148,7 +155,7 @@ stages() {
   stage preflight lane_preflight
   stage tests lane_test_decode lane_test_select lane_test_prefill lane_test_exact_greedy lane_test_evict_to lane_demo
   stage sanitizers lane_san_decode lane_san_select lane_san_prefill lane_san_exact_greedy lane_san_evict_to \
-    lane_torch_warmup
+    lane_torch_warmup lane_python
   stage bench lane_bench
   stage torch lane_torch
   stage report lane_report
@@ -298,6 +305,24 @@ preflight() {
   return 0
 }
 
+# pytest from the pack's copy of tests/python, the package on PYTHONPATH;
+# a skip (77) where the pack has no package or there is no GPU.
+python_tests() {
+  if [ ! -d "$PACK/python/kvevict" ]; then
+    echo "the pack holds no Python package (scripts/gpu-pack.sh builds it when PACK_PYTHON names a Python 3.12)"
+    return 77
+  fi
+  if ! "$PYTHON" -c 'import torch' 2>/dev/null; then
+    echo "$PYTHON has no torch"
+    return 77
+  fi
+  export PYTHONPATH=$PACK/python PYTHONUNBUFFERED=1
+  "$PYTHON" -c 'import sys, torch, kvevict
+print("torch", torch.__version__, "kvevict CUDA backend", kvevict.cuda_available, "GPU", torch.cuda.is_available())
+sys.exit(0 if kvevict.cuda_available and torch.cuda.is_available() else 77)' || return $?
+  cd "$PACK/python/tests" && "$PYTHON" -m pytest -q -p no:cacheprovider -k cuda -rs --durations=10 .
+}
+
 # Google Benchmark writes its JSON as rows finish and closes it at the end:
 # a run stopped by its limit leaves a truncated file, cut here after its
 # last whole row. The two families become one file, one run.
@@ -374,7 +399,7 @@ summary() {
 usage() { sed -n '2,/^set -uo/p' "$SELF" | sed '$d; s/^# \{0,1\}//'; }
 
 case "${1:-}" in
-  --plan | --filters | --preflight | --report) ;;
+  --plan | --filters | --preflight | --report | --python-tests) ;;
   -h | --help) usage; exit 0 ;;
   "" | -*) usage >&2; exit 2 ;;
 esac
@@ -395,6 +420,10 @@ case "$1" in
   --filters)
     for t in "${TESTS[@]}"; do printf '%s\t%s\n' "$t" "${CHOSEN[$t]}"; done
     exit 0
+    ;;
+  --python-tests)
+    python_tests
+    exit $?
     ;;
   --preflight | --report)
     # Run by phases of the main run, which exports WORK.
