@@ -24,6 +24,19 @@ def generate(model, ids, new_tokens, cache=None, attn="kvevict", **kw):
         return model.generate(ids, **kwargs)
 
 
+def sample_twice(model, ids, new_tokens, config, head_dim):
+    """Two sampled generations from the same seed, each watched (budget + 1
+    slots per head at every step): the token tensors of both."""
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(123)
+        cache = kvhf.KVEvictCache(config)
+        watch = Watch(cache, config.budget + 1, head_dim)
+        runs.append(generate(model, ids, new_tokens, cache, do_sample=True, top_k=20,
+                             logits_processor=transformers.LogitsProcessorList([watch])))  # fmt: skip
+    return runs
+
+
 class Watch(transformers.LogitsProcessor):
     """Called after every forward: snapshots each layer's slot table and
     checks that its K/V tensors hold exactly `slots` slots per head."""

@@ -83,11 +83,5 @@ def test_key_scored_steps_keep_what_the_cpp_policy_keeps(tiny, scores):
 def test_sampling_is_reproducible(tiny):
     model, ids = tiny
     config = kv.H2OConfig.from_ratios(PROMPT + NEW_TOKENS, 0.1, 0.1)
-    runs = []
-    for _ in range(2):
-        torch.manual_seed(123)
-        cache = kvhf.KVEvictCache(config)
-        watch = hf_replay.Watch(cache, config.budget + 1, HEAD_DIM)
-        runs.append(generate(model, ids, cache, do_sample=True, top_k=20,
-                             logits_processor=transformers.LogitsProcessorList([watch])))  # fmt: skip
-    assert torch.equal(runs[0], runs[1])
+    first, second = hf_replay.sample_twice(model, ids, NEW_TOKENS, config, HEAD_DIM)
+    assert torch.equal(first, second)

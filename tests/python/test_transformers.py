@@ -144,15 +144,8 @@ def test_every_policy_generates_with_budget_plus_one_slots(smollm, config, promp
 def test_sampling_is_reproducible_and_stays_within_the_budget(smollm):
     model, tok = smollm
     ids = prompt_ids(tok, 1)
-    config = twenty_percent(ids)
-    runs = []
-    for _ in range(2):
-        torch.manual_seed(123)
-        cache = kvhf.KVEvictCache(config)
-        watch = hf_replay.Watch(cache, config.budget + 1, HEAD_DIM)
-        runs.append(generate(model, ids, cache, do_sample=True, top_k=20,
-                             logits_processor=transformers.LogitsProcessorList([watch])))
-    assert torch.equal(runs[0], runs[1])
+    first, second = hf_replay.sample_twice(model, ids, NEW_TOKENS, twenty_percent(ids), HEAD_DIM)
+    assert torch.equal(first, second)
 
 
 def test_padded_batches_are_refused(smollm):
