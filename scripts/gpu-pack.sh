@@ -131,7 +131,11 @@ cp scripts/bench_torch.py scripts/bench_report.py "$out/"
 chmod +x "$out/run.sh"
 
 # The newest glibc and libstdc++ symbol versions the pack needs.
-newest() { objdump -T "$out"/bin/* "$out"/lib/* "$out"/python/kvevict/*.so 2>/dev/null | grep -oE "\\b$1_[0-9]+(\\.[0-9]+)*" | sort -uV | tail -1; }
+# (Only the files packed: without PACK_PYTHON there is no extension, and an
+# unmatched glob would fail objdump and, under pipefail, the pack.)
+packed=("$out"/bin/* "$out"/lib/*)
+[ -z "$pack_python" ] || packed+=("$out"/python/kvevict/*.so)
+newest() { objdump -T "${packed[@]}" | grep -oE "\\b$1_[0-9]+(\\.[0-9]+)*" | sort -uV | tail -1; }
 version_ok() { [ -z "$1" ] || [ "$(printf '%s\n%s\n' "${1#*_}" "$2" | sort -V | tail -1)" = "$2" ]; }
 glibc=$(newest GLIBC)
 glibcxx=$(newest GLIBCXX)
