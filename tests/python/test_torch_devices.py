@@ -91,6 +91,20 @@ def bits(x):
     return x
 
 
+def on_host(tensors):
+    """Tensors of one device as CPU tensors, copied in one transfer: each
+    copy from a GPU waits for it, and these tests compare after every call
+    (the CUDA tests share the GPU with the sanitizers' instrumented runs).
+    On the CPU the same copy, so that CI runs this code too."""
+    flat = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors]).cpu()
+    out, at = [], 0
+    for t in tensors:
+        n = t.numel() * t.element_size()
+        out.append(flat[at : at + n].clone().view(t.dtype).reshape(t.shape))  # clone: aligned for the view
+        at += n
+    return out
+
+
 def grid(rng, shape, dtype):
     """Values on a 1/8 grid in [-1, 1]: exact in every dtype."""
     return (rng.integers(-8, 9, shape) / 8).astype(dtype)
@@ -136,14 +150,16 @@ class Twin:
 
     def check(self, what=""):
         """The states and the K/V bytes are equal."""
-        for field in ("positions", "counts", "next_slots", "lengths", "scores"):
-            np.testing.assert_array_equal(
-                bits(getattr(self.dut, field)), bits(getattr(self.ref, field)), err_msg=f"{field} {what}"
-            )
+        fields = ["positions", "counts", "next_slots", "lengths", "scores"]
         if self.ref.streams is not None:
-            np.testing.assert_array_equal(bits(self.dut.streams).view(np.uint64), self.ref.streams, err_msg=f"streams {what}")
-        np.testing.assert_array_equal(bits(self.k), bits(self.cache.k), err_msg=f"K {what}")
-        np.testing.assert_array_equal(bits(self.v), bits(self.cache.v), err_msg=f"V {what}")
+            fields.append("streams")
+        got = on_host([getattr(self.dut, f) for f in fields] + [self.k, self.v])
+        expected = [getattr(self.ref, f) for f in fields] + [self.cache.k, self.cache.v]
+        for name, g, e in zip(fields + ["K", "V"], got, expected):
+            if name == "streams":
+                np.testing.assert_array_equal(bits(g).view(np.uint64), e, err_msg=f"streams {what}")
+            else:
+                np.testing.assert_array_equal(bits(g), bits(e), err_msg=f"{name} {what}")
 
     def sync_cache(self):
         """Copies the NumPy cache (rows the test wrote there) to the device twin."""
