@@ -23,11 +23,11 @@ prefill_snapkv 0 window probs, 1 window logits + LSE,
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
-from torch.library import custom_op
+from torch.library import Library, infer_schema, register_fake
 
 from . import _ext
 from ._arrays import for_ext as _a
@@ -69,40 +69,67 @@ def _heads(desc: Sequence[int]) -> Tuple[int, int]:
     return desc[1], desc[2]  # num_seqs, num_kv_heads
 
 
-@custom_op("kvevict::init", mutates_args=("state",), device_types=("cpu", "cuda"))
+_lib = Library("kvevict", "DEF")  # the ops live as long as this object
+_kernels: Dict[str, Callable[..., Any]] = {}  # by op name (the benchmark registers them as custom_op too)
+
+
+def _op(*mutates_args: str):
+    """Defines ``torch.ops.kvevict.<name of the function>``, with the schema
+    its annotations give and the function as its CPU and CUDA kernel, and
+    returns the op (an ``OpOverload``: what opcheck, torch.compile and CUDA
+    graphs see). torch.library's define + impl rather than its ``custom_op``
+    decorator, whose Python autograd, ADInplaceOrView and dynamo-disable
+    wrappers cost 9 to 11 us a call before the kernel runs: these ops have
+    no gradient (torch's C++ autograd fallback passes them through) and a
+    dynamo trace never enters their kernels (their fake kernels stand in)."""
+
+    def define(fn):
+        name = fn.__name__
+        _lib.define(name + infer_schema(fn, mutates_args=mutates_args))
+        _lib.impl(name, fn, "CPU")
+        _lib.impl(name, fn, "CUDA")
+        _kernels[name] = fn
+        op = getattr(torch.ops.kvevict, name).default
+        op.__doc__ = fn.__doc__
+        return op
+
+    return define
+
+
+@_op("state")
 def init(state: Tensor, desc: List[int]) -> None:
     """Initialises a state tensor of ``Descriptor(desc).state_bytes`` bytes."""
     _ext.init(_descriptor(desc), _a(state), _stream(state))
 
 
-@init.register_fake
+@register_fake(init)
 def _(state, desc):
     return None
 
 
-@custom_op("kvevict::reset", mutates_args=("state",), device_types=("cpu", "cuda"))
+@_op("state")
 def reset(state: Tensor, desc: List[int], active: Optional[Tensor] = None, streams: Optional[Tensor] = None) -> None:
     """Forgets the active sequences; ``streams`` (int64): random's new request streams."""
     _ext.reset(_descriptor(desc), _a(state), _a(active), _a(streams), _stream(state))
 
 
-@reset.register_fake
+@register_fake(reset)
 def _(state, desc, active=None, streams=None):
     return None
 
 
-@custom_op("kvevict::append", mutates_args=("state",), device_types=("cpu", "cuda"))
+@_op("state")
 def append(state: Tensor, desc: List[int], active: Optional[Tensor] = None) -> None:
     """Append without K/V: the caller writes each head's row to its next slot."""
     _ext.append(_descriptor(desc), _a(state), _a(active), _stream(state))
 
 
-@append.register_fake
+@register_fake(append)
 def _(state, desc, active=None):
     return None
 
 
-@custom_op("kvevict::append_kv", mutates_args=("state", "k_cache", "v_cache"), device_types=("cpu", "cuda"))
+@_op("state", "k_cache", "v_cache")
 def append_kv(
     state: Tensor,
     desc: List[int],
@@ -121,12 +148,12 @@ def append_kv(
     )  # fmt: skip
 
 
-@append_kv.register_fake
+@register_fake(append_kv)
 def _(state, desc, k_cache, v_cache, page_table, layout, k_new, v_new, active=None):
     return None
 
 
-@custom_op("kvevict::observe_evict", mutates_args=("state",), device_types=("cpu", "cuda"))
+@_op("state")
 def observe_evict(
     state: Tensor,
     desc: List[int],
@@ -146,12 +173,12 @@ def observe_evict(
     return victims
 
 
-@observe_evict.register_fake
+@register_fake(observe_evict)
 def _(state, desc, input, x, lse, scale, base, active=None):
     return state.new_empty(_heads(desc), dtype=torch.int32)
 
 
-@custom_op("kvevict::observe_evict_queries", mutates_args=("state",), device_types=("cpu", "cuda"))
+@_op("state")
 def observe_evict_queries(
     state: Tensor,
     desc: List[int],
@@ -175,12 +202,12 @@ def observe_evict_queries(
     return victims
 
 
-@observe_evict_queries.register_fake
+@register_fake(observe_evict_queries)
 def _(state, desc, queries, lse, scale, base, k_cache, v_cache, page_table, layout, active=None):
     return state.new_empty(_heads(desc), dtype=torch.int32)
 
 
-@custom_op("kvevict::observe_evict_key_norms", mutates_args=("state",), device_types=("cpu", "cuda"))
+@_op("state")
 def observe_evict_key_norms(
     state: Tensor,
     desc: List[int],
@@ -199,12 +226,12 @@ def observe_evict_key_norms(
     return victims
 
 
-@observe_evict_key_norms.register_fake
+@register_fake(observe_evict_key_norms)
 def _(state, desc, k_cache, page_table, layout, active=None):
     return state.new_empty(_heads(desc), dtype=torch.int32)
 
 
-@custom_op("kvevict::observe_evict_key_diff", mutates_args=("state",), device_types=("cpu", "cuda"))
+@_op("state")
 def observe_evict_key_diff(
     state: Tensor,
     desc: List[int],
@@ -224,12 +251,12 @@ def observe_evict_key_diff(
     return victims
 
 
-@observe_evict_key_diff.register_fake
+@register_fake(observe_evict_key_diff)
 def _(state, desc, k_cache, page_table, layout, active=None):
     return state.new_empty(_heads(desc), dtype=torch.int32)
 
 
-@custom_op("kvevict::prefill", mutates_args=("state", "k_cache", "v_cache"), device_types=("cpu", "cuda"))
+@_op("state", "k_cache", "v_cache")
 def prefill(
     state: Tensor,
     desc: List[int],
@@ -277,12 +304,12 @@ def _with_workspace(state, call, args):
     call(*args(), _a(workspace), _stream(state))
 
 
-@prefill.register_fake
+@register_fake(prefill)
 def _(state, desc, lengths, max_length, input, x, lse, scale, base, k_cache, v_cache, page_table, layout, active=None):
     return state.new_empty((desc[1],), dtype=torch.int32)
 
 
-@custom_op("kvevict::prefill_key_norms", mutates_args=("state", "k_cache", "v_cache"), device_types=("cpu", "cuda"))
+@_op("state", "k_cache", "v_cache")
 def prefill_key_norms(
     state: Tensor,
     desc: List[int],
@@ -302,12 +329,12 @@ def prefill_key_norms(
                     active)
 
 
-@prefill_key_norms.register_fake
+@register_fake(prefill_key_norms)
 def _(state, desc, lengths, max_length, k_cache, v_cache, page_table, layout, active=None):
     return state.new_empty((desc[1],), dtype=torch.int32)
 
 
-@custom_op("kvevict::prefill_key_diff", mutates_args=("state", "k_cache", "v_cache"), device_types=("cpu", "cuda"))
+@_op("state", "k_cache", "v_cache")
 def prefill_key_diff(
     state: Tensor,
     desc: List[int],
@@ -335,12 +362,12 @@ def prefill_key_diff(
     return reclaimable
 
 
-@prefill_key_diff.register_fake
+@register_fake(prefill_key_diff)
 def _(state, desc, lengths, max_length, k_cache, v_cache, page_table, layout, active=None):
     return state.new_empty((desc[1],), dtype=torch.int32)
 
 
-@custom_op("kvevict::prefill_snapkv", mutates_args=("state", "k_cache", "v_cache"), device_types=("cpu", "cuda"))
+@_op("state", "k_cache", "v_cache")
 def prefill_snapkv(
     state: Tensor,
     desc: List[int],
@@ -370,24 +397,24 @@ def prefill_snapkv(
                     layout, active, (pool_width, pooling))
 
 
-@prefill_snapkv.register_fake
+@register_fake(prefill_snapkv)
 def _(state, desc, lengths, max_length, input, x, lse, scale, base, pool_width, pooling, k_cache, v_cache, page_table,
       layout, active=None):
     return state.new_empty((desc[1],), dtype=torch.int32)
 
 
-@custom_op("kvevict::append_tokens", mutates_args=("state",), device_types=("cpu", "cuda"))
+@_op("state")
 def append_tokens(state: Tensor, desc: List[int], tokens: int, active: Optional[Tensor] = None) -> None:
     """Appends ``tokens`` positions to every active sequence (multi-token step)."""
     _ext.append_tokens(_descriptor(desc), _a(state), tokens, _a(active), _stream(state))
 
 
-@append_tokens.register_fake
+@register_fake(append_tokens)
 def _(state, desc, tokens, active=None):
     return None
 
 
-@custom_op("kvevict::evict_to", mutates_args=("state", "k_cache", "v_cache"), device_types=("cpu", "cuda"))
+@_op("state", "k_cache", "v_cache")
 def evict_to(
     state: Tensor,
     desc: List[int],
@@ -412,12 +439,12 @@ def evict_to(
     return freed
 
 
-@evict_to.register_fake
+@register_fake(evict_to)
 def _(state, desc, target, k_cache, v_cache, page_table, layout, queries=None, lse=None, scale=1.0, base=0, active=None):
     return state.new_empty(_heads(desc), dtype=torch.int32)
 
 
-@custom_op("kvevict::evict_to_moves", mutates_args=("state",), device_types=("cpu", "cuda"))
+@_op("state")
 def evict_to_moves(state: Tensor, desc: List[int], target: int, active: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """evict_to(target) reporting the row moves instead of making them:
     (moves int32 [B, Hkv, capacity, 2] of (from, to), move_counts int32 [B, Hkv])."""
@@ -428,7 +455,7 @@ def evict_to_moves(state: Tensor, desc: List[int], target: int, active: Optional
     return moves, counts
 
 
-@evict_to_moves.register_fake
+@register_fake(evict_to_moves)
 def _(state, desc, target, active=None):
     B, H = _heads(desc)
     return state.new_empty((B, H, desc[4], 2), dtype=torch.int32), state.new_empty((B, H), dtype=torch.int32)

@@ -153,6 +153,25 @@ def test_torch_errors_name_the_argument():
         torch.ops.kvevict.observe_evict(p.state, list(p.descriptor), 0, bad, None, 1.0, 0)
 
 
+def test_inputs_that_require_grad_give_the_same_decisions_and_no_graph():
+    # Attention probabilities from a forward run with grad on reach the ops
+    # as leaves of a graph; the ops are not differentiable (no autograd
+    # kernel: torch's fallback passes them through).
+    with_grad, without = stepped(policy(), 9), stepped(policy(), 9)
+    g = torch.Generator().manual_seed(2)
+    for _ in range(6):
+        probs = torch.rand(B, HQ, C, generator=g)
+        for p in (with_grad, without):
+            torch.ops.kvevict.append(p.state, list(p.descriptor))
+        victims = torch.ops.kvevict.observe_evict(with_grad.state, list(with_grad.descriptor), 0,
+                                                  probs.clone().requires_grad_(), None, 1.0, 0)
+        assert not victims.requires_grad and victims.grad_fn is None
+        assert torch.equal(victims, torch.ops.kvevict.observe_evict(without.state, list(without.descriptor), 0, probs,
+                                                                    None, 1.0, 0))
+        assert torch.equal(with_grad.positions, without.positions)
+        assert torch.equal(with_grad.scores, without.scores)
+
+
 # ---- torch.compile --------------------------------------------------------------------------
 
 
