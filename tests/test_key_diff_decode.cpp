@@ -378,3 +378,115 @@ TEST_CASE("KeyDiff decode refuses what it cannot score and changes nothing") {
     CHECK(st.slots.counts[st.head_index(0, 0)] == 4);
   }
 }
+
+TEST_CASE("KeyDiff decode, batched: evict_to that frees nothing still leaves the anchor stale (a rewritten key counts)") {
+  // docs/policies.md: after an engine rewrites a cached key it calls reset or
+  // evict_to, and the next step scores against the keys cached now. Here
+  // evict_to frees nothing (the head holds exactly its target), so only the
+  // anchor's staleness can bring the rewritten key in.
+  constexpr std::int32_t dim = 4, cap = 8;
+  const kv::policy_shape shape{1, 1, 1, cap};
+  const kv::h2o_config config = kv::key_norm_config(3, 1, 1);  // budget 5
+  std::vector<unsigned char> memory(kv::batch_state_bytes<kv::h2o_policy>(shape, config, kv::key_diff_extent(dim)));
+  const auto st = kv::make_batch_state<kv::h2o_policy>(memory.data(), memory.size(), shape, config,
+                                                       kv::key_diff_extent(dim));
+  kv::init_batch_state(st);
+  auto cache = kv::make_bhsd_cache<float>(1, 1, cap, dim);
+  const kv::key_diff<float, kv::strided_layout> keys{cache.view()};
+  std::mt19937 rng(11);
+  std::normal_distribution<float> n(0.0f, 1.0f);
+  const auto step = [&] {
+    std::uint64_t status = kv::batch_status_clear;
+    const std::int32_t s = st.slots.next_slots[0];
+    float* k = cache.view().k_row(0, 0, s);
+    for (std::int32_t e = 0; e < dim; ++e) k[e] = 1.0f + 0.5f * n(rng);  // around a common direction
+    kv::batched_append(st, kv::active_set::all(), &status);
+    kv::batched_observe_evict(st, kv::active_set::all(), keys, nullptr, &status);
+    REQUIRE(status == kv::batch_status_clear);
+  };
+  for (std::int32_t t = 0; t < 8; ++t) step();
+  REQUIRE(st.slots.counts[0] == 5);
+  std::int32_t rewritten = -1;  // the oldest cached token that is not the sink
+  for (std::int32_t s = 0; s < cap; ++s)
+    if (st.slots.positions[s] > 0 && (rewritten < 0 || st.slots.positions[s] < st.slots.positions[rewritten]))
+      rewritten = s;
+  REQUIRE(rewritten >= 0);
+  for (std::int32_t e = 0; e < dim; ++e) cache.view().k_row(0, 0, rewritten)[e] *= -1.0f;  // the engine rewrites it
+  std::int32_t freed = -1;
+  std::uint64_t status = kv::batch_status_clear;
+  kv::batched_evict_to(st, kv::active_set::all(), 5, cache.view(), &freed, &status);
+  REQUIRE(status == kv::batch_status_clear);
+  CHECK(freed == 0);
+  CHECK(st.anchors.upto[0] == -1);
+  // The next step scores every cached key against the keys cached now.
+  std::uint64_t s2 = kv::batch_status_clear;
+  const std::int32_t s = st.slots.next_slots[0];
+  for (std::int32_t e = 0; e < dim; ++e) cache.view().k_row(0, 0, s)[e] = 1.0f + 0.5f * n(rng);
+  kv::batched_append(st, kv::active_set::all(), &s2);
+  std::vector<ref_token> cached;
+  std::vector<std::int32_t> slots;
+  for (std::int32_t x = 0; x < cap; ++x)
+    if (st.slots.positions[x] >= 0) {
+      ref_token t{st.slots.positions[x], std::vector<double>(kDim, 0.0)};
+      for (std::int32_t e = 0; e < dim; ++e) t.key[std::size_t(e)] = cache.view().k_row(0, 0, x)[e];
+      cached.push_back(t);
+      slots.push_back(x);
+    }
+  std::int32_t victim = -1;
+  kv::batched_observe_evict(st, kv::active_set::all(), keys, &victim, &s2);
+  REQUIRE(s2 == kv::batch_status_clear);
+  const std::vector<double> want = reference_scores(cached);  // the definition, from scratch
+  for (std::size_t i = 0; i < cached.size(); ++i) {
+    CAPTURE(cached[i].position);
+    if (slots[i] == victim) continue;  // freed: its score is discarded
+    CHECK(std::abs(double(st.scores_of(0, 0)[slots[i]]) - want[i]) < kMargin);
+  }
+  // The victim by the definition: the lowest (score, position) outside sink 0 and the newest token.
+  const std::int32_t length = st.slots.lengths[0];
+  std::size_t best = cached.size();
+  for (std::size_t i = 0; i < cached.size(); ++i) {
+    const std::int32_t p = cached[i].position;
+    if (p < 1 || p >= length - 1) continue;
+    if (best == cached.size() || want[i] < want[best] || (want[i] == want[best] && p < cached[best].position)) best = i;
+  }
+  REQUIRE(best < cached.size());
+  CHECK(victim == slots[best]);
+}
+
+TEST_CASE("KeyDiff decode, batched: a state view with null or mis-sized anchors is refused, not dereferenced") {
+  constexpr std::int32_t cap = 8;
+  const kv::policy_shape shape{kSeqs, kHeads, kHeads, cap};
+  const kv::h2o_config config = kv::key_norm_config(3, 1);
+  auto cache = kv::make_bhsd_cache<float>(kSeqs, kHeads, cap, kDim);
+  const kv::key_diff<float, kv::strided_layout> keys{cache.view()};
+  std::vector<unsigned char> memory(kv::batch_state_bytes<kv::h2o_policy>(shape, config, kv::key_diff_extent(kDim)));
+  const auto st = kv::make_batch_state<kv::h2o_policy>(memory.data(), memory.size(), shape, config,
+                                                       kv::key_diff_extent(kDim));
+  kv::init_batch_state(st);
+  std::uint64_t status = kv::batch_status_clear;
+  kv::batched_append(st, kv::active_set::all(), &status);
+  const auto refused = [&](kv::batch_state_view edited, const char* arg) {
+    CAPTURE(arg);
+    CHECK_THROWS_WITH_AS(kv::batched_observe_evict(edited, kv::active_set::all(), keys, nullptr, &status),
+                         doctest::Contains(arg), kv::invalid_argument);
+    CHECK(st.appended[0] == 1);  // nothing stepped
+  };
+  kv::batch_state_view v = st;
+  v.anchors.sums = nullptr;
+  refused(v, "'state.anchors.sums'");
+  v = st;
+  v.anchors.units = nullptr;
+  refused(v, "'state.anchors.units'");
+  v = st;
+  v.anchors.num_heads = kHeads + 1;
+  refused(v, "'state.anchors.num_heads'");
+  v = st;
+  v.anchors.num_heads = kHeads - 1;
+  refused(v, "'state.anchors.num_heads'");
+  // Every batched call checks the state: an append refuses the edited view too.
+  CHECK_THROWS_WITH_AS(kv::batched_append(v, kv::active_set::all(), &status),
+                       doctest::Contains("'state.anchors.num_heads'"), kv::invalid_argument);
+  kv::batched_observe_evict(st, kv::active_set::all(), keys, nullptr, &status);  // the real view steps
+  CHECK(status == kv::batch_status_clear);
+  CHECK(st.appended[0] == 0);
+}

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstring>
 #include <random>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -313,4 +314,107 @@ TEST_CASE("CUDA launchers refuse a null victim_scratch, malformed input strides 
   throws([&] { (void)kv::gpu::batched_append(edited, kv::active_set::all(), d_status.get(), nullptr); },
          "'state.rule.victim'");
   CHECK(d_status.download()[0] == kv::batch_status_clear);
+}
+
+TEST_CASE("CUDA evict_to that frees nothing leaves the KeyDiff anchor stale, as the host does") {
+  // The host regression of tests/test_key_diff_decode.cpp on the device:
+  // after a cached key is rewritten, evict_to to the count itself frees
+  // nothing, and the next KeyDiff step must count the anchor afresh.
+  const kv::policy_shape shape{1, 1, 1, 8};
+  const kv::h2o_config config = kv::key_norm_config(3, 1, 1);  // budget 5
+  const kv::history_extent extent = kv::key_diff_extent(4);
+  std::vector<unsigned char> host_memory(kv::batch_state_bytes<kv::h2o_policy>(shape, config, extent));
+  const kv::batch_state_view host =
+      kv::make_batch_state<kv::h2o_policy>(host_memory.data(), host_memory.size(), shape, config, extent);
+  kv::init_batch_state(host);
+  device_buffer<unsigned char> device_memory(host_memory.size());
+  const kv::batch_state_view device =
+      kv::make_batch_state<kv::h2o_policy>(device_memory.get(), host_memory.size(), shape, config, extent);
+  KVTEST_CUDA(kv::gpu::init_batch_state(device, nullptr));
+  auto cache = kv::make_bhsd_cache<float>(1, 1, 8, 4);
+  device_buffer<float> d_k(cache.k_storage().size()), d_v(cache.v_storage().size());
+  const auto d_view = [&] {
+    kv::kv_view<float, kv::strided_layout> v = cache.view();
+    v.k = d_k.get();
+    v.v = d_v.get();
+    return v;
+  };
+  std::uint64_t host_status = kv::batch_status_clear;
+  device_buffer<std::uint64_t> d_status(std::vector<std::uint64_t>{kv::batch_status_clear});
+  std::mt19937 rng(11);
+  std::normal_distribution<float> n(0.0f, 1.0f);
+  const auto step = [&] {
+    float* k = cache.view().k_row(0, 0, host.slots.next_slots[0]);
+    for (std::int32_t e = 0; e < 4; ++e) k[e] = 1.0f + 0.5f * n(rng);
+    d_k.upload(cache.k_storage());
+    kv::batched_append(host, kv::active_set::all(), &host_status);
+    kv::batched_observe_evict(host, kv::active_set::all(), kv::key_diff<float, kv::strided_layout>{cache.view()},
+                              nullptr, &host_status);
+    KVTEST_CUDA(kv::gpu::batched_append(device, kv::active_set::all(), d_status.get(), nullptr));
+    KVTEST_CUDA(kv::gpu::batched_observe_evict(device, kv::active_set::all(),
+                                               kv::key_diff<float, kv::strided_layout>{d_view()}, nullptr,
+                                               d_status.get(), nullptr));
+  };
+  for (int t = 0; t < 8; ++t) step();
+  std::int32_t rewritten = -1;  // the oldest cached token that is not the sink
+  for (std::int32_t s = 0; s < 8; ++s)
+    if (host.slots.positions[s] > 0 && (rewritten < 0 || host.slots.positions[s] < host.slots.positions[rewritten]))
+      rewritten = s;
+  REQUIRE(rewritten >= 0);
+  for (std::int32_t e = 0; e < 4; ++e) cache.view().k_row(0, 0, rewritten)[e] *= -1.0f;
+  d_k.upload(cache.k_storage());
+  device_buffer<std::int32_t> d_freed(1);
+  std::int32_t freed = -1;
+  kv::batched_evict_to(host, kv::active_set::all(), 5, cache.view(), &freed, &host_status);
+  KVTEST_CUDA(kv::gpu::batched_evict_to(device, kv::active_set::all(), 5, d_view(), d_freed.get(), d_status.get(),
+                                        nullptr));
+  step();  // scored against the keys cached now, on both
+  KVTEST_CUDA(cudaDeviceSynchronize());
+  CHECK(freed == 0);
+  CHECK(d_freed.download()[0] == 0);
+  CHECK(host_status == kv::batch_status_clear);
+  CHECK(d_status.download()[0] == host_status);
+  kvtest::host_state_mirror<kv::h2o_policy> mirror(shape, config, extent);
+  mirror.read(device);
+  kvtest::check_same_state(host, mirror.view);
+}
+
+TEST_CASE("CUDA KeyDiff launchers refuse a state view with null or mis-sized anchors, changing nothing") {
+  const kv::policy_shape shape{kSeqs, kHeads, kHeads, kCap};
+  const kv::h2o_config config = kv::key_norm_config(4, 2);
+  const kv::history_extent extent = kv::key_diff_extent(kDim);
+  const std::size_t bytes = kv::batch_state_bytes<kv::h2o_policy>(shape, config, extent);
+  device_buffer<unsigned char> device_memory(bytes);
+  const kv::batch_state_view device = kv::make_batch_state<kv::h2o_policy>(device_memory.get(), bytes, shape, config, extent);
+  KVTEST_CUDA(kv::gpu::init_batch_state(device, nullptr));
+  device_buffer<std::uint64_t> d_status(std::vector<std::uint64_t>{kv::batch_status_clear});
+  KVTEST_CUDA(kv::gpu::batched_append(device, kv::active_set::all(), d_status.get(), nullptr));
+  KVTEST_CUDA(cudaDeviceSynchronize());
+  auto cache = kv::make_bhsd_cache<float>(kSeqs, kHeads, kCap, kDim);
+  device_buffer<float> d_k(cache.k_storage().size()), d_v(cache.v_storage().size());
+  kv::kv_view<float, kv::strided_layout> view = cache.view();
+  view.k = d_k.get();
+  view.v = d_v.get();
+  const std::vector<unsigned char> before = device_memory.download();
+  const auto refused = [&](const kv::batch_state_view& edited, const char* arg) {
+    CAPTURE(arg);
+    try {
+      (void)kv::gpu::batched_observe_evict(edited, kv::active_set::all(), kv::key_diff<float, kv::strided_layout>{view},
+                                           nullptr, d_status.get(), nullptr);
+      FAIL("accepted");
+    } catch (const kv::invalid_argument& e) {
+      CHECK(std::string(e.what()).find(arg) != std::string::npos);
+    }
+    KVTEST_CUDA(cudaDeviceSynchronize());
+    CHECK(device_memory.download() == before);
+  };
+  kv::batch_state_view v = device;
+  v.anchors.sums = nullptr;
+  refused(v, "'state.anchors.sums'");
+  v = device;
+  v.anchors.units = nullptr;
+  refused(v, "'state.anchors.units'");
+  v = device;
+  v.anchors.num_heads = kHeads + 1;
+  refused(v, "'state.anchors.num_heads'");
 }

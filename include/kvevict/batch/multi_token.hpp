@@ -79,10 +79,12 @@ evict_to_result evict_to_head(const batch_state_view& st, std::int32_t b, std::i
   std::int32_t* scratch = st.victim_scratch + bh * st.capacity();
   const std::int32_t count = st.slots.counts[bh];
   const std::int32_t end = occupied_end(count, st.slots.next_slots[bh]);
+  // Whether or not it frees a token, evict_to is how an engine says the
+  // cached keys may have changed (docs/policies.md): the anchor counts afresh.
+  mark_anchor_stale(st, bh);
   evict_to_result r;
   r.freed = free_victims(count);
   if (r.freed == 0) return r;
-  mark_anchor_stale(st, bh);
   st.slots.counts[bh] = count - r.freed;
   r.moves = refill_holes(st.slots.positions_of(b, h), st.scores_of(b, h), st.spare_scores_of(b, h), count - r.freed,
                          st.rule.budget, end, scratch, st.slots.next_slots[bh], on_move);

@@ -54,6 +54,11 @@ inline void require_state(const site& w, const batch_state_view& st) {
                            st.slots.num_heads);
   require_rule(w, st);
   if (st.rule.victim == victim_rule::random_priority) require_not_null(w, "state.streams", st.streams);
+  // Anchor rows are indexed by the state's (sequence, head): another head count reads other memory.
+  const key_anchor_view& a = st.anchors;
+  if ((a.sums || a.units || a.upto) && a.num_heads != st.slots.num_heads)
+    fail<invalid_argument>(w, "state.anchors.num_heads", "= ", a.num_heads, ", the state has ", st.slots.num_heads,
+                           " heads");
 }
 
 inline void require_history(const site& w, const batch_state_view& st) {
@@ -136,8 +141,11 @@ void require_input(const site& w, const batch_state_view& st, const key_diff<T, 
   if (st.rule.victim != victim_rule::lowest_score)
     fail<invalid_argument>(w, "in", "is key_diff, whose scores need a rule that evicts by score (h2o)");
   require_replacing_decay(w, "key_diff", true, st.rule.decay);
-  if (!st.anchors.upto)
+  if (!st.anchors.upto && !st.anchors.sums && !st.anchors.units)
     fail<invalid_argument>(w, "state", "has no KeyDiff anchors: size it with key_diff_extent(head_dim)");
+  require_not_null(w, "state.anchors.sums", st.anchors.sums);
+  require_not_null(w, "state.anchors.units", st.anchors.units);
+  require_not_null(w, "state.anchors.upto", st.anchors.upto);
   if (st.anchors.head_dim != in.cache.head_dim)
     fail<invalid_argument>(w, "in.cache.head_dim", "= ", in.cache.head_dim, ", the state's KeyDiff anchors have ",
                            st.anchors.head_dim);

@@ -121,10 +121,14 @@ __device__ inline void plan_row(const batch_state_view& st, const evict_row& at,
   plan.count = st.slots.counts[at.bh];
   plan.next = st.slots.next_slots[at.bh];
   const bool unobserved = check != evict_check::none && (check >> 32) == std::uint64_t(evict_check::stage::not_observed);
-  if (unobserved || (plan.count > target && check != evict_check::none))
+  if (unobserved || (plan.count > target && check != evict_check::none)) {
     report(status, evict_check::word(check, at.b, at.h));
-  else if (plan.count > target)
-    plan.kept = target;  // nothing above the target: unchanged, no error
+  } else {
+    // A head that takes the call leaves its KeyDiff anchor stale, whether
+    // or not it frees a token (the host's evict_to_head).
+    kvevict::detail::mark_anchor_stale(st, at.bh);
+    if (plan.count > target) plan.kept = target;  // else nothing above the target: unchanged, no error
+  }
   plan.order = st.order_of(at.b, at.h);
   st.work.evict_plans[at.bh] = plan;
   st.work.evict_counts[at.row] = plan.kept >= 0 ? plan.count - plan.kept : 0;
@@ -335,7 +339,6 @@ __global__ void __launch_bounds__(BlockThreads)
     }
   }
   if (at.chunk == 0 && threadIdx.x == 0) {
-    if (victims > 0) kvevict::detail::mark_anchor_stale(st, at.bh);
     st.slots.counts[at.bh] = plan.kept;
     st.slots.next_slots[at.bh] = refill.next_slot();
     if (results) results[at.bh] = kMoveRows ? victims : refill.moves;
