@@ -500,9 +500,11 @@ TEST_CASE("batched state: size query, any alignment, arguments checked before an
   std::uint64_t status = batch_status_clear;
   const std::vector<float> probs(3 * 4 * 9, 0.1f);
   batched_append(s, active_set::all(), &status);
-  // Wrong extents: thrown before any (b, h) changes.
+  // Wrong extents: thrown before any (b, h) changes. A slot dimension is
+  // checked per head against its tokens (narrow_input): here only no column
+  // at all is wrong before the call.
   const std::int32_t length_before = s.slots.lengths[0];
-  CHECK_THROWS_AS(batched_observe_evict(s, active_set::all(), batch_probs{make_tensor_view<const float>(probs.data(), 3, 4, 6)},
+  CHECK_THROWS_AS(batched_observe_evict(s, active_set::all(), batch_probs{make_tensor_view<const float>(probs.data(), 3, 4, 0)},
                                         nullptr, &status),
                   invalid_argument);
   CHECK_THROWS_AS(batched_observe_evict(s, active_set::all(), batch_probs{make_tensor_view<const float>(probs.data(), 3, 2, 9)},

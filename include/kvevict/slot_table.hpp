@@ -9,7 +9,6 @@
 // and the next slot is `count`; after an eviction the victim's slot is the
 // one hole and the next token fills it. So next_slot never needs a search.
 #include <cstdint>
-#include <vector>
 
 #include "kvevict/config.hpp"
 
@@ -34,36 +33,31 @@ struct slot_table_view {
   }
 };
 
-/// Owning host slot table.
+/// Read-only access to a host slot table: the per-sequence policies' slots()
+/// (their table lives in their batched state). Cheap to copy; valid while
+/// the policy that handed it out lives and is not moved.
 class slot_table {
  public:
   slot_table() = default;
-  slot_table(std::int32_t num_seqs, std::int32_t num_heads, std::int32_t capacity)
-      : positions_(std::size_t(num_seqs) * num_heads * capacity, -1),
-        counts_(std::size_t(num_seqs) * num_heads, 0),
-        next_slots_(std::size_t(num_seqs) * num_heads, 0),
-        lengths_(std::size_t(num_seqs), 0),
-        num_seqs_(num_seqs),
-        num_heads_(num_heads),
-        capacity_(capacity) {}
+  explicit slot_table(const slot_table_view& v) noexcept : v_(v) {}
 
-  std::int32_t num_seqs() const noexcept { return num_seqs_; }
-  std::int32_t num_heads() const noexcept { return num_heads_; }
-  std::int32_t capacity() const noexcept { return capacity_; }
+  std::int32_t num_seqs() const noexcept { return v_.num_seqs; }
+  std::int32_t num_heads() const noexcept { return v_.num_heads; }
+  std::int32_t capacity() const noexcept { return v_.capacity; }
 
   /// Position held by slot s of (b, h), or -1 when the slot is free.
   std::int32_t position(std::int32_t b, std::int32_t h, std::int32_t s) const noexcept {
-    return positions_[index(b, h) * capacity_ + s];
+    return v_.positions_of(b, h)[s];
   }
-  std::int32_t count(std::int32_t b, std::int32_t h) const noexcept { return counts_[index(b, h)]; }
-  std::int32_t next_slot(std::int32_t b, std::int32_t h) const noexcept { return next_slots_[index(b, h)]; }
+  std::int32_t count(std::int32_t b, std::int32_t h) const noexcept { return v_.counts[v_.head_index(b, h)]; }
+  std::int32_t next_slot(std::int32_t b, std::int32_t h) const noexcept { return v_.next_slots[v_.head_index(b, h)]; }
   /// Tokens sequence b has seen; the position of its next token.
-  std::int32_t length(std::int32_t b) const noexcept { return lengths_[std::size_t(b)]; }
+  std::int32_t length(std::int32_t b) const noexcept { return v_.lengths[b]; }
 
   /// Slot of position p in (b, h), or -1 when p is not cached there.
   std::int32_t slot_of(std::int32_t b, std::int32_t h, std::int32_t p) const noexcept {
     const std::int32_t* pos = positions_of(b, h);
-    for (std::int32_t s = 0; s < capacity_; ++s)
+    for (std::int32_t s = 0; s < v_.capacity; ++s)
       if (pos[s] == p) return s;
     return -1;
   }
@@ -72,9 +66,9 @@ class slot_table {
   /// decode input must hold for b.
   std::int32_t occupied_width(std::int32_t b) const noexcept {
     std::int32_t width = 0;
-    for (std::int32_t h = 0; h < num_heads_; ++h) {
+    for (std::int32_t h = 0; h < v_.num_heads; ++h) {
       const std::int32_t* pos = positions_of(b, h);
-      for (std::int32_t s = capacity_ - 1; s >= width; --s)
+      for (std::int32_t s = v_.capacity - 1; s >= width; --s)
         if (pos[s] >= 0) {
           width = s + 1;
           break;
@@ -83,36 +77,10 @@ class slot_table {
     return width;
   }
 
-  const std::int32_t* positions_of(std::int32_t b, std::int32_t h) const noexcept {
-    return positions_.data() + index(b, h) * capacity_;
-  }
-  std::int32_t* positions_of(std::int32_t b, std::int32_t h) noexcept {
-    return positions_.data() + index(b, h) * capacity_;
-  }
-  std::int32_t& count_ref(std::int32_t b, std::int32_t h) noexcept { return counts_[index(b, h)]; }
-  std::int32_t& next_slot_ref(std::int32_t b, std::int32_t h) noexcept { return next_slots_[index(b, h)]; }
-  std::int32_t& length_ref(std::int32_t b) noexcept { return lengths_[std::size_t(b)]; }
-
-  slot_table_view view() noexcept {
-    return {positions_.data(), counts_.data(), next_slots_.data(), lengths_.data(), num_seqs_, num_heads_, capacity_};
-  }
-
-  /// Forgets sequence b (every slot free, length 0).
-  void clear(std::int32_t b) noexcept {
-    for (std::int32_t h = 0; h < num_heads_; ++h) {
-      std::int32_t* pos = positions_of(b, h);
-      for (std::int32_t s = 0; s < capacity_; ++s) pos[s] = -1;
-      counts_[index(b, h)] = 0;
-      next_slots_[index(b, h)] = 0;
-    }
-    lengths_[std::size_t(b)] = 0;
-  }
+  const std::int32_t* positions_of(std::int32_t b, std::int32_t h) const noexcept { return v_.positions_of(b, h); }
 
  private:
-  std::size_t index(std::int32_t b, std::int32_t h) const noexcept { return std::size_t(b) * num_heads_ + h; }
-
-  std::vector<std::int32_t> positions_, counts_, next_slots_, lengths_;
-  std::int32_t num_seqs_ = 0, num_heads_ = 0, capacity_ = 0;
+  slot_table_view v_;
 };
 
 }  // namespace kvevict

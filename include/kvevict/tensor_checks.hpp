@@ -1,7 +1,7 @@
 #pragma once
 // The O(1) check of a tensor_view argument (an engine's input array) that
 // does not depend on what the call expects: its strides. The extents are
-// compared by each caller (require_extents in policy/score_increments.hpp,
+// compared by each caller (require_extents in policy/input_checks.hpp,
 // scatter), which then calls this.
 #include <cstddef>
 #include <cstdint>

@@ -15,11 +15,10 @@
 // the CUDA one. Bad arguments throw before anything changes; bad data leaves
 // the (b, h) concerned unchanged and sets the status word, which check()
 // turns into the library's exception.
-#include <cstddef>
 #include <cstdint>
-#include <vector>
 
 #include "kvevict/batch/host_backend.hpp"
+#include "kvevict/batch/host_state.hpp"
 #include "kvevict/batch/inputs.hpp"
 #include "kvevict/batch/state.hpp"
 #include "kvevict/batch/status.hpp"
@@ -38,41 +37,43 @@ class batched_policy<Policy, device::host> {
   using stream_type = device::host::stream_type;
 
   /// exact_greedy also needs `history` (max tokens per sequence, head_dim);
-  /// h2o fed key_diff at decode time, key_diff_extent(head_dim).
+  /// h2o fed key_diff at decode time, key_diff_extent(head_dim). Copies are
+  /// the same state in memory of their own.
   batched_policy(const policy_shape& shape, const config_type& config, const history_extent& history = {})
-      : shape_(shape), memory_(batch_state_bytes<Policy>(shape, config, history)) {
-    state_ = make_batch_state<Policy>(memory_.data(), memory_.size(), shape, config, history);
-    init_batch_state(state_);
+      : shape_(shape) {
+    batch_state_bytes<Policy>(shape, config, history);  // validates every argument
+    const decode_rule rule = policy_traits<Policy>::rule(config);
+    memory_ = detail::host_state(shape, rule, history, detail::parts_of<Policy>(rule, history),
+                                 detail::site{policy_traits<Policy>::name, "batched_policy"});
+    init_batch_state(memory_.view());
   }
-  batched_policy(const batched_policy&) = delete;  // the view points into memory_
-  batched_policy& operator=(const batched_policy&) = delete;
 
   const policy_shape& shape() const noexcept { return shape_; }
   /// The state, for engine code that reads it in place.
-  const batch_state_view& state() const noexcept { return state_; }
+  const batch_state_view& state() const noexcept { return memory_.view(); }
 
   void append(const active_set& active = active_set::all(), stream_type = {}) {
-    batched_append(state_, active, &status_);
+    batched_append(state(), active, &status_);
   }
   template <class T, class Layout>
   void append(const kv_view<T, Layout>& cache, const batch_rows<T>& k_new, const batch_rows<T>& v_new,
               const active_set& active = active_set::all(), stream_type = {}) {
-    batched_append(state_, active, cache, k_new, v_new, &status_);
+    batched_append(state(), active, cache, k_new, v_new, &status_);
   }
   /// victims: optional [B][H] host array.
   template <class Input>
   void observe_evict(const Input& in, const active_set& active = active_set::all(), std::int32_t* victims = nullptr,
                      stream_type = {}) {
-    batched_observe_evict(state_, active, in, victims, &status_);
+    batched_observe_evict(state(), active, in, victims, &status_);
   }
   template <class Q, class T, class Layout>
   void observe_evict(const batch_queries<Q>& in, const kv_view<T, Layout>& cache,
                      const active_set& active = active_set::all(), std::int32_t* victims = nullptr, stream_type = {}) {
-    batched_observe_evict(state_, active, in, cache, victims, &status_);
+    batched_observe_evict(state(), active, in, cache, victims, &status_);
   }
   /// Forgets the active sequences; streams[i]: entry i's random stream.
   void reset(const active_set& active, const std::uint64_t* streams = nullptr, stream_type = {}) {
-    reset_batch_sequences(state_, active, streams);
+    reset_batch_sequences(state(), active, streams);
   }
 
   /// The status word the calls report to (status.hpp).
@@ -86,8 +87,7 @@ class batched_policy<Policy, device::host> {
 
  private:
   policy_shape shape_;
-  std::vector<unsigned char> memory_;
-  batch_state_view state_;
+  detail::host_state memory_;
   std::uint64_t status_ = batch_status_clear;
 };
 

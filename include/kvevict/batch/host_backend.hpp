@@ -187,7 +187,40 @@ std::uint64_t exact_greedy_head(const batch_state_view& st, std::int32_t b, std:
   victim = count > st.rule.budget
                ? pick_victim(st.rule, positions, updated, count, length, std::uint64_t(b), h)
                : -1;
-  hv.rows[bh] = length;
+  return batch_status_clear;  // the rows join the history when the head commits (commit_history)
+}
+
+/// exact_greedy's commit beside the scores: the rows exact_greedy_head
+/// recorded are (b, h)'s history now.
+inline void commit_history(const batch_state_view& st, std::int32_t b, std::int32_t h) noexcept {
+  st.history.rows[st.head_index(b, h)] = st.slots.lengths[b];
+}
+
+/// KeyDiff's decision of one (b, h): its anchor brought up to the cached
+/// keys (a refused key leaves it as it was; the slot pass names it), then
+/// observe + evict of the scores against it.
+template <class T, class Layout>
+std::uint64_t key_diff_head(const batch_state_view& st, std::int32_t b, std::int32_t h,
+                            const score_source<key_diff<T, Layout>>& source, std::int32_t& victim) {
+  const std::int64_t bh = st.head_index(b, h);
+  refresh_key_anchor(st.anchors, source.in.cache, b, h, st.slots.positions_of(b, h),
+                     occupied_end(st.slots.counts[bh], st.slots.next_slots[bh]), st.slots.lengths[b]);
+  return observe_evict_head(st, b, h, source, victim);
+}
+
+/// Append of sequence b: its next position goes to every head's next slot
+/// (write(h, slot) first puts the head's new rows there), or, when a head
+/// has no free slot or mapped(slot) fails, nothing changes and the first
+/// such head's status word is returned.
+template <class Mapped, class Write>
+std::uint64_t append_sequence(const batch_state_view& st, std::int32_t b, Mapped mapped, Write write) {
+  const std::uint64_t problem = append_problem(st, b, mapped);
+  if (problem != batch_status_clear) return problem;
+  for (std::int32_t h = 0; h < st.num_heads(); ++h) {
+    write(h, st.slots.next_slots[st.head_index(b, h)]);
+    commit_append(st, b, h, st.slots.lengths[b]);
+  }
+  ++st.slots.lengths[b];
   return batch_status_clear;
 }
 
@@ -263,10 +296,8 @@ inline void batched_append(const batch_state_view& st, const active_set& active,
   detail::require_active(w, active, st.num_seqs());
   detail::require_not_null(w, "status", status);
   detail::for_each_active(st, active, status, [&](std::int32_t b) {
-    const std::uint64_t problem = detail::append_problem(st, b, [](std::int32_t) { return true; });
-    if (problem != batch_status_clear) return detail::record_status(status, problem);
-    for (std::int32_t h = 0; h < st.num_heads(); ++h) detail::commit_append(st, b, h, st.slots.lengths[b]);
-    ++st.slots.lengths[b];
+    detail::record_status(status, detail::append_sequence(
+                                      st, b, [](std::int32_t) { return true; }, [](std::int32_t, std::int32_t) {}));
   });
 }
 
@@ -283,16 +314,13 @@ void batched_append(const batch_state_view& st, const active_set& active, const 
   detail::require_rows(w, "k_new", st, k_new, cache);
   detail::require_rows(w, "v_new", st, v_new, cache);
   detail::for_each_active(st, active, status, [&](std::int32_t b) {
-    const std::uint64_t problem =
-        detail::append_problem(st, b, [&](std::int32_t slot) { return row_is_mapped(cache, b, slot); });
-    if (problem != batch_status_clear) return detail::record_status(status, problem);
-    for (std::int32_t h = 0; h < st.num_heads(); ++h) {
-      const std::int32_t slot = st.slots.next_slots[st.head_index(b, h)];
-      std::memcpy(cache.k_row(b, h, slot), &k_new.rows(b, h, 0), sizeof(T) * std::size_t(cache.head_dim));
-      std::memcpy(cache.v_row(b, h, slot), &v_new.rows(b, h, 0), sizeof(T) * std::size_t(cache.head_dim));
-      detail::commit_append(st, b, h, st.slots.lengths[b]);
-    }
-    ++st.slots.lengths[b];
+    detail::record_status(
+        status, detail::append_sequence(
+                    st, b, [&](std::int32_t slot) { return row_is_mapped(cache, b, slot); },
+                    [&](std::int32_t h, std::int32_t slot) {
+                      std::memcpy(cache.k_row(b, h, slot), &k_new.rows(b, h, 0), sizeof(T) * std::size_t(cache.head_dim));
+                      std::memcpy(cache.v_row(b, h, slot), &v_new.rows(b, h, 0), sizeof(T) * std::size_t(cache.head_dim));
+                    }));
   });
 }
 
@@ -332,14 +360,7 @@ void batched_observe_evict(const batch_state_view& st, const active_set& active,
   const score_source<key_diff<T, Layout>> source{in, st.anchors};
   detail::observe_evict_all(
       st, active, victims, status,
-      [&](std::int32_t b, std::int32_t h, std::int32_t& victim) {
-        const std::int64_t bh = st.head_index(b, h);
-        // A refused key leaves the anchor as it was; the slot pass names it.
-        detail::refresh_key_anchor(st.anchors, in.cache, b, h, st.slots.positions_of(b, h),
-                                   detail::occupied_end(st.slots.counts[bh], st.slots.next_slots[bh]),
-                                   st.slots.lengths[b]);
-        return detail::observe_evict_head(st, b, h, source, victim);
-      },
+      [&](std::int32_t b, std::int32_t h, std::int32_t& victim) { return detail::key_diff_head(st, b, h, source, victim); },
       [&](std::int32_t b, std::int32_t h, std::int32_t victim) { detail::after_commit(source, st, b, h, victim); });
 }
 
@@ -359,9 +380,12 @@ void batched_observe_evict(const batch_state_view& st, const active_set& active,
     if (cache.head_dim != st.history.head_dim)
       detail::fail<invalid_argument>(w, "cache.head_dim", "= ", cache.head_dim, ", the history has ",
                                      st.history.head_dim);
-    detail::observe_evict_all(st, active, victims, status, [&](std::int32_t b, std::int32_t h, std::int32_t& victim) {
-      return detail::exact_greedy_head(st, b, h, in, cache, victim);
-    });
+    detail::observe_evict_all(
+        st, active, victims, status,
+        [&](std::int32_t b, std::int32_t h, std::int32_t& victim) {
+          return detail::exact_greedy_head(st, b, h, in, cache, victim);
+        },
+        [&](std::int32_t b, std::int32_t h, std::int32_t) { detail::commit_history(st, b, h); });
     return;
   }
   const query_source<Q, T, Layout> source{in, cache, st.group_size(), st.rule.reduce};

@@ -1,13 +1,8 @@
 #pragma once
-// Inputs of the batched calls: the per-sequence score inputs of
-// score_inputs.hpp with a leading sequence dimension, new K/V rows for the
-// fused append + scatter, and the set of sequences that step.
-//
-// All are trivially copyable views; on CUDA they point to device memory.
-// Slot dimensions may be wider than needed: a batched call reads slots
-// [0, count(b, h)) only, and count never exceeds budget + 1 during decode.
-// After a multi-token append it can: a head whose count exceeds the input's
-// slot dimension is refused (narrow_input) rather than read past its end.
+// What the batched calls take beside the score inputs (score_inputs.hpp,
+// their batch form): new K/V rows for the fused append + scatter, and the
+// set of sequences that step. Trivially copyable; on CUDA they point to
+// device memory.
 #include <cstdint>
 #include <type_traits>
 
@@ -17,38 +12,6 @@
 #include "kvevict/tensor_view.hpp"
 
 namespace kvevict {
-
-/// Decode probabilities of every sequence: probs(b, q, s), [B][Hq][>= budget + 1].
-struct batch_probs {
-  tensor_view<const float, 3> probs;
-};
-
-/// Per-KV-head increments the engine reduced itself: scores(b, h, s),
-/// [B][Hkv][>= budget + 1].
-struct batch_head_scores {
-  tensor_view<const float, 3> scores;
-};
-
-/// Logits and LSE from a fused decode kernel: probability
-/// exp(logits(b, q, s) * scale - lse(b, q)) with no K re-read.
-/// logits [B][Hq][>= budget + 1], lse [B][Hq] (natural log, or base 2 for
-/// FlashInfer).
-struct batch_logits {
-  tensor_view<const float, 3> logits;
-  tensor_view<const float, 2> lse;
-  float scale = 1.0f;
-  lse_base base = lse_base::natural;
-};
-
-/// Queries and LSE from a fused decode kernel; the logits are recomputed
-/// from the cached keys. q [B][Hq][head_dim], lse [B][Hq].
-template <class Q>
-struct batch_queries {
-  tensor_view<const Q, 3> q;
-  tensor_view<const float, 2> lse;
-  float scale = 1.0f;
-  lse_base base = lse_base::natural;
-};
 
 /// One new K or V row per (sequence, KV head): rows(b, h, d), [B][Hkv][head_dim],
 /// for append with scatter. The last stride must be 1.
@@ -146,8 +109,6 @@ KVEVICT_HOST_DEVICE inline checked_entry check_entry(const active_set& active, s
 
 }  // namespace detail
 
-static_assert(std::is_trivially_copyable_v<batch_logits>, "inputs go to kernels by value");
-static_assert(std::is_trivially_copyable_v<batch_queries<float>>, "inputs go to kernels by value");
 static_assert(std::is_trivially_copyable_v<active_set>, "inputs go to kernels by value");
 
 }  // namespace kvevict

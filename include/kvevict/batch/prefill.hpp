@@ -276,6 +276,55 @@ void host_prefill(const batch_state_view& st, const active_set& active, const pr
   });
 }
 
+/// Every batched prefill once its arguments are checked: one per input,
+/// shared by the batched calls below and the per-sequence policies
+/// (policy/prefill_calls.hpp, one active sequence). `cache` moves the kept
+/// rows; without one (the overload of column sums) only the slot table
+/// changes.
+template <class T, class Layout>
+void run_prefill(const batch_state_view& st, const active_set& active, const prompt_lengths& prompts,
+                 const batch_prefill_probs& in, const kv_view<T, Layout>& cache, std::int32_t* reclaimable_pages,
+                 std::uint64_t* status) {
+  const std::size_t m = static_cast<std::size_t>(prompts.max_length);
+  std::vector<prefill_accumulator> chunk(m), total(std::size_t(st.group_size()) * m);
+  std::vector<batch_code> codes(m);
+  const host_probs_scores scorer{in, st.group_size(), st.rule.reduce, st.rule.decay, &chunk, &total, &codes};
+  host_prefill(st, active, prompts, scorer, prefill_cache_checks<T, Layout>{cache}, &cache, reclaimable_pages, status);
+}
+
+template <class T, class Layout>
+void run_prefill(const batch_state_view& st, const active_set& active, const prompt_lengths& prompts,
+                 const batch_prefill_sums& in, const kv_view<T, Layout>& cache, std::int32_t* reclaimable_pages,
+                 std::uint64_t* status) {
+  const host_sums_scores scorer{in, st.group_size(), st.rule.reduce};
+  host_prefill(st, active, prompts, scorer, prefill_cache_checks<T, Layout>{cache}, &cache, reclaimable_pages, status);
+}
+
+inline void run_prefill(const batch_state_view& st, const active_set& active, const prompt_lengths& prompts,
+                        const batch_prefill_sums& in, std::uint64_t* status) {
+  const host_sums_scores scorer{in, st.group_size(), st.rule.reduce};
+  host_prefill(st, active, prompts, scorer, prefill_no_checks{},
+               static_cast<const kv_view<float, strided_layout>*>(nullptr), nullptr, status);
+}
+
+template <class Q, class T, class Layout>
+void run_prefill(const batch_state_view& st, const active_set& active, const prompt_lengths& prompts,
+                 const batch_prefill_queries<Q>& in, const kv_view<T, Layout>& cache, std::int32_t* reclaimable_pages,
+                 std::uint64_t* status) {
+  std::vector<float> total(static_cast<std::size_t>(st.group_size()));
+  const host_query_scores<Q, T, Layout> scorer{in, cache, st.group_size(), st.rule.reduce, st.rule.decay, &total};
+  host_prefill(st, active, prompts, scorer, prefill_query_checks<Q, T, Layout>{cache, in, st.group_size()}, &cache,
+               reclaimable_pages, status);
+}
+
+/// No scores: recent_window and random.
+template <class T, class Layout>
+void run_prefill(const batch_state_view& st, const active_set& active, const prompt_lengths& prompts,
+                 const kv_view<T, Layout>& cache, std::int32_t* reclaimable_pages, std::uint64_t* status) {
+  host_prefill(st, active, prompts, host_no_scores{}, prefill_cache_checks<T, Layout>{cache}, &cache,
+               reclaimable_pages, status);
+}
+
 }  // namespace detail
 
 /// Prefill compression of every active sequence from its causal attention
@@ -289,12 +338,7 @@ void batched_prefill(const batch_state_view& st, const active_set& active, const
   detail::require_prefill_call(w, st, active, prompts, status);
   detail::require_cache(w, st, cache);
   detail::require_prefill_input(w, st, prompts, in);
-  const std::size_t m = static_cast<std::size_t>(prompts.max_length);
-  std::vector<prefill_accumulator> chunk(m), total(std::size_t(st.group_size()) * m);
-  std::vector<batch_code> codes(m);
-  const detail::host_probs_scores scorer{in, st.group_size(), st.rule.reduce, st.rule.decay, &chunk, &total, &codes};
-  detail::host_prefill(st, active, prompts, scorer, detail::prefill_cache_checks<T, Layout>{cache}, &cache,
-                       reclaimable_pages, status);
+  detail::run_prefill(st, active, prompts, in, cache, reclaimable_pages, status);
 }
 
 /// The same from column sums the engine computed.
@@ -306,9 +350,7 @@ void batched_prefill(const batch_state_view& st, const active_set& active, const
   detail::require_prefill_call(w, st, active, prompts, status);
   detail::require_cache(w, st, cache);
   detail::require_prefill_input(w, st, prompts, in);
-  const detail::host_sums_scores scorer{in, st.group_size(), st.rule.reduce};
-  detail::host_prefill(st, active, prompts, scorer, detail::prefill_cache_checks<T, Layout>{cache}, &cache,
-                       reclaimable_pages, status);
+  detail::run_prefill(st, active, prompts, in, cache, reclaimable_pages, status);
 }
 
 /// The same from every prompt row's query and LSE, the probabilities
@@ -321,11 +363,7 @@ void batched_prefill(const batch_state_view& st, const active_set& active, const
   detail::require_prefill_call(w, st, active, prompts, status);
   detail::require_cache(w, st, cache);
   detail::require_prefill_input(w, st, prompts, in, cache);
-  std::vector<float> total(static_cast<std::size_t>(st.group_size()));
-  const detail::host_query_scores<Q, T, Layout> scorer{in, cache, st.group_size(), st.rule.reduce, st.rule.decay, &total};
-  detail::host_prefill(st, active, prompts, scorer,
-                       detail::prefill_query_checks<Q, T, Layout>{cache, in, st.group_size()}, &cache,
-                       reclaimable_pages, status);
+  detail::run_prefill(st, active, prompts, in, cache, reclaimable_pages, status);
 }
 
 /// Prefill without scores, for recent_window and random (h2o throws):
@@ -337,8 +375,7 @@ void batched_prefill(const batch_state_view& st, const active_set& active, const
   detail::require_prefill_call(w, st, active, prompts, status);
   detail::require_scoreless_rule(w, st);
   detail::require_cache(w, st, cache);
-  detail::host_prefill(st, active, prompts, detail::host_no_scores{}, detail::prefill_cache_checks<T, Layout>{cache},
-                       &cache, reclaimable_pages, status);
+  detail::run_prefill(st, active, prompts, cache, reclaimable_pages, status);
 }
 
 /// For engines that compact their own rows: only the slot table changes.
@@ -350,9 +387,7 @@ inline void batched_prefill(const batch_state_view& st, const active_set& active
   const detail::site w{"batch", "prefill"};
   detail::require_prefill_call(w, st, active, prompts, status);
   detail::require_prefill_input(w, st, prompts, in);
-  const detail::host_sums_scores scorer{in, st.group_size(), st.rule.reduce};
-  detail::host_prefill(st, active, prompts, scorer, detail::prefill_no_checks{},
-                       static_cast<const kv_view<float, strided_layout>*>(nullptr), nullptr, status);
+  detail::run_prefill(st, active, prompts, in, status);
 }
 
 }  // namespace kvevict

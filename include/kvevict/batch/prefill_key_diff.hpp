@@ -35,6 +35,16 @@ struct host_key_diff_scores {
   }
 };
 
+template <class T, class Layout>
+void run_prefill(const batch_state_view& st, const active_set& active, const prompt_lengths& prompts,
+                 const key_diff<T, Layout>& in, std::int32_t* reclaimable_pages, std::uint64_t* status) {
+  std::vector<std::int64_t> sums(static_cast<std::size_t>(in.cache.head_dim));
+  std::vector<float> unit(static_cast<std::size_t>(in.cache.head_dim));
+  const host_key_diff_scores<T, Layout> scorer{in.cache, &sums, &unit};
+  host_prefill(st, active, prompts, scorer, prefill_cache_checks<T, Layout>{in.cache}, &in.cache, reclaimable_pages,
+               status);
+}
+
 }  // namespace detail
 
 /// KeyDiff prefill compression of every active sequence from its cached
@@ -46,11 +56,7 @@ void batched_prefill(const batch_state_view& st, const active_set& active, const
   const detail::site w{"batch", "prefill"};
   detail::require_prefill_call(w, st, active, prompts, status);
   detail::require_cache(w, st, in.cache);
-  std::vector<std::int64_t> sums(static_cast<std::size_t>(in.cache.head_dim));
-  std::vector<float> unit(static_cast<std::size_t>(in.cache.head_dim));
-  const detail::host_key_diff_scores<T, Layout> scorer{in.cache, &sums, &unit};
-  detail::host_prefill(st, active, prompts, scorer, detail::prefill_cache_checks<T, Layout>{in.cache}, &in.cache,
-                       reclaimable_pages, status);
+  detail::run_prefill(st, active, prompts, in, reclaimable_pages, status);
 }
 
 }  // namespace kvevict

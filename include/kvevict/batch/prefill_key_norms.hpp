@@ -37,6 +37,14 @@ struct host_key_norm_scores {
   }
 };
 
+template <class T, class Layout>
+void run_prefill(const batch_state_view& st, const active_set& active, const prompt_lengths& prompts,
+                 const key_norms<T, Layout>& in, std::int32_t* reclaimable_pages, std::uint64_t* status) {
+  const host_key_norm_scores<T, Layout> scorer{{in, st.group_size(), st.rule.reduce}};
+  host_prefill(st, active, prompts, scorer, prefill_cache_checks<T, Layout>{in.cache}, &in.cache, reclaimable_pages,
+               status);
+}
+
 }  // namespace detail
 
 /// Prefill compression of every active sequence by the norms of its cached
@@ -49,9 +57,7 @@ void batched_prefill(const batch_state_view& st, const active_set& active, const
   const detail::site w{"batch", "prefill"};
   detail::require_prefill_call(w, st, active, prompts, status);
   detail::require_input(w, st, in);
-  const detail::host_key_norm_scores<T, Layout> scorer{{in, st.group_size(), st.rule.reduce}};
-  detail::host_prefill(st, active, prompts, scorer, detail::prefill_cache_checks<T, Layout>{in.cache}, &in.cache,
-                       reclaimable_pages, status);
+  detail::run_prefill(st, active, prompts, in, reclaimable_pages, status);
 }
 
 }  // namespace kvevict

@@ -28,8 +28,6 @@
 
 namespace kvevict {
 
-// ---- inputs: the per-sequence prefill inputs with a leading sequence dimension ----
-
 /// The prompt length of every sequence: lengths[b] (host memory on the host,
 /// device memory on CUDA), each at most max_length, a bound known on the
 /// host that sizes the inputs and the workspace (1 <= max_length <=
@@ -39,34 +37,7 @@ struct prompt_lengths {
   std::int32_t max_length = 0;
 };
 
-/// Causal attention probabilities of every prompt: probs(b, q, i, p) for
-/// query row i and key position p <= i, [B][Hq][>= max_length][>= max_length].
-/// Entries above the diagonal and beyond L are not read.
-struct batch_prefill_probs {
-  tensor_view<const float, 4> probs;
-};
-
-/// Column sums the engine computed: sums(b, q, p) = sum over i >= p of
-/// probs(b, q, i, p), [B][Hq][>= max_length].
-struct batch_prefill_sums {
-  tensor_view<const float, 3> sums;
-};
-
-/// Every prompt row's query and LSE from a fused prefill kernel; the
-/// probabilities are recomputed from the cached keys (slots [0, L)):
-/// exp(q(b, q, i, :) . k_p * scale - lse(b, q, i)). q [B][Hq][>= max_length]
-/// [head_dim], lse [B][Hq][>= max_length] (natural log, or base 2).
-template <class Q>
-struct batch_prefill_queries {
-  tensor_view<const Q, 4> q;
-  tensor_view<const float, 3> lse;
-  float scale = 1.0f;
-  lse_base base = lse_base::natural;
-};
-
 static_assert(std::is_trivially_copyable_v<prompt_lengths>, "inputs go to kernels by value");
-static_assert(std::is_trivially_copyable_v<batch_prefill_probs>, "inputs go to kernels by value");
-static_assert(std::is_trivially_copyable_v<batch_prefill_queries<float>>, "inputs go to kernels by value");
 
 namespace detail {
 
@@ -312,20 +283,28 @@ KVEVICT_HOST_DEVICE inline void commit_prefill_counters(const batch_state_view& 
 
 // ---- argument checks, shared with the CUDA launchers ----
 
-inline void require_prefill_call(const site& w, const batch_state_view& st, const active_set& active,
+/// The arguments every batched prefill checks first.
+inline void require_prefill_args(const site& w, const batch_state_view& st, const active_set& active,
                                  const prompt_lengths& prompts, const std::uint64_t* status) {
   require_state(w, st);
   require_active(w, active, st.num_seqs());
   require_not_null(w, "status", status);
-  if (st.history.keys)
-    fail<invalid_argument>(w, "state",
-                           "belongs to exact_greedy (it has a history): batched prefill of exact_greedy is not "
-                           "supported, since its history would need every prompt row; use "
-                           "exact_greedy_policy::prefill per sequence");
   require_not_null(w, "prompts.lengths", prompts.lengths);
   if (prompts.max_length < 1 || prompts.max_length > st.capacity())
     fail<out_of_range>(w, "prompts.max_length", "= ", prompts.max_length, " is outside [1, capacity = ",
                        st.capacity(), "]");
+}
+
+/// require_prefill_args for a prefill scored from attention or keys: not
+/// exact_greedy's, whose prefill takes the last prompt row's queries
+/// (prefill_exact_greedy.hpp, on the host).
+inline void require_prefill_call(const site& w, const batch_state_view& st, const active_set& active,
+                                 const prompt_lengths& prompts, const std::uint64_t* status) {
+  require_prefill_args(w, st, active, prompts, status);
+  if (st.history.keys)
+    fail<invalid_argument>(w, "state",
+                           "belongs to exact_greedy (it has a history): its prefill is the greedy removal judged "
+                           "with the last prompt row's queries; pass batch_queries and the cache (on the host)");
 }
 
 /// Extents [B][Hq][>= max_length]... with at_least for the dimensions after the second.

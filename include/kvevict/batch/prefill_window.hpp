@@ -303,6 +303,46 @@ void host_window_prefill(const batch_state_view& st, const active_set& active, c
                reclaimable_pages, status);
 }
 
+template <class T, class Layout>
+void run_prefill(const batch_state_view& st, const active_set& active, const prompt_lengths& prompts,
+                 const batch_window_probs& in, const kv_view<T, Layout>& cache, std::int32_t* reclaimable_pages,
+                 std::uint64_t* status) {
+  const window_probs_source source{in};
+  host_window_prefill(
+      st, active, prompts, in.snap,
+      [source](std::int32_t b, std::int32_t, std::int32_t q, std::int32_t length, std::int32_t i, std::int32_t p) {
+        return source.value(b, q, length, i, p);
+      },
+      window_no_row_checks{}, cache, reclaimable_pages, status);
+}
+
+template <class T, class Layout>
+void run_prefill(const batch_state_view& st, const active_set& active, const prompt_lengths& prompts,
+                 const batch_window_logits& in, const kv_view<T, Layout>& cache, std::int32_t* reclaimable_pages,
+                 std::uint64_t* status) {
+  const window_logits_source source{in};
+  host_window_prefill(
+      st, active, prompts, in.snap,
+      [source](std::int32_t b, std::int32_t, std::int32_t q, std::int32_t length, std::int32_t i, std::int32_t p) {
+        return source.value(b, q, length, i, p);
+      },
+      window_lse_checks{in.lse}, cache, reclaimable_pages, status);
+}
+
+template <class Q, class T, class Layout>
+void run_prefill(const batch_state_view& st, const active_set& active, const prompt_lengths& prompts,
+                 const batch_window_queries<Q>& in, const kv_view<T, Layout>& cache, std::int32_t* reclaimable_pages,
+                 std::uint64_t* status) {
+  host_window_prefill(
+      st, active, prompts, in.snap,
+      [&](std::int32_t b, std::int32_t h, std::int32_t q, std::int32_t length, std::int32_t i, std::int32_t p) {
+        const std::int32_t r = i - (length - in.snap.window);
+        return prefill_query_value(&in.q(b, q, r, 0), in.q.strides[3], cache.k_row(b, h, p), cache.head_dim, in.scale,
+                                   in.lse(b, q, r), in.base);
+      },
+      window_query_checks<Q>{in, cache.head_dim}, cache, reclaimable_pages, status);
+}
+
 }  // namespace detail
 
 /// SnapKV prefill compression of every active sequence from the
@@ -317,13 +357,7 @@ void batched_prefill(const batch_state_view& st, const active_set& active, const
   detail::require_prefill_call(w, st, active, prompts, status);
   detail::require_cache(w, st, cache);
   detail::require_window_input(w, st, prompts, in);
-  const detail::window_probs_source source{in};
-  detail::host_window_prefill(
-      st, active, prompts, in.snap,
-      [source](std::int32_t b, std::int32_t, std::int32_t q, std::int32_t length, std::int32_t i, std::int32_t p) {
-        return source.value(b, q, length, i, p);
-      },
-      detail::window_no_row_checks{}, cache, reclaimable_pages, status);
+  detail::run_prefill(st, active, prompts, in, cache, reclaimable_pages, status);
 }
 
 /// The same from the window rows' logits and LSE.
@@ -335,13 +369,7 @@ void batched_prefill(const batch_state_view& st, const active_set& active, const
   detail::require_prefill_call(w, st, active, prompts, status);
   detail::require_cache(w, st, cache);
   detail::require_window_input(w, st, prompts, in);
-  const detail::window_logits_source source{in};
-  detail::host_window_prefill(
-      st, active, prompts, in.snap,
-      [source](std::int32_t b, std::int32_t, std::int32_t q, std::int32_t length, std::int32_t i, std::int32_t p) {
-        return source.value(b, q, length, i, p);
-      },
-      detail::window_lse_checks{in.lse}, cache, reclaimable_pages, status);
+  detail::run_prefill(st, active, prompts, in, cache, reclaimable_pages, status);
 }
 
 /// The same from the window rows' queries and LSE, the probabilities
@@ -354,14 +382,7 @@ void batched_prefill(const batch_state_view& st, const active_set& active, const
   detail::require_prefill_call(w, st, active, prompts, status);
   detail::require_cache(w, st, cache);
   detail::require_window_input(w, st, prompts, in, cache);
-  detail::host_window_prefill(
-      st, active, prompts, in.snap,
-      [&](std::int32_t b, std::int32_t h, std::int32_t q, std::int32_t length, std::int32_t i, std::int32_t p) {
-        const std::int32_t r = i - (length - in.snap.window);
-        return detail::prefill_query_value(&in.q(b, q, r, 0), in.q.strides[3], cache.k_row(b, h, p), cache.head_dim,
-                                           in.scale, in.lse(b, q, r), in.base);
-      },
-      detail::window_query_checks<Q>{in, cache.head_dim}, cache, reclaimable_pages, status);
+  detail::run_prefill(st, active, prompts, in, cache, reclaimable_pages, status);
 }
 
 }  // namespace kvevict

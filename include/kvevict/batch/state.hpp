@@ -170,11 +170,18 @@ class state_carver {
   }
   /// Bytes used, plus the slack that aligning an arbitrary base may cost.
   std::size_t bytes() const noexcept { return offset_ + alignment - 1; }
+  static std::size_t align_up(std::size_t x) noexcept { return (x + alignment - 1) / alignment * alignment; }
 
  private:
-  static std::size_t align_up(std::size_t x) noexcept { return (x + alignment - 1) / alignment * alignment; }
   std::uintptr_t base_;
   std::size_t offset_;
+};
+
+/// Which optional parts a state carries, from its policy's traits.
+struct state_parts {
+  bool streams = false;  ///< random's request streams
+  bool history = false;  ///< exact_greedy's history (max_tokens x head_dim)
+  bool anchors = false;  ///< KeyDiff's anchors (head_dim)
 };
 
 /// Whether a state keeps KeyDiff anchors: a policy that evicts by score
@@ -185,8 +192,14 @@ bool keeps_anchors(const decode_rule& rule, const history_extent& history) noexc
 }
 
 template <class Policy>
-batch_state_view carve_state(void* memory, const policy_shape& shape, const decode_rule& rule,
-                             const history_extent& history, std::size_t* bytes) {
+state_parts parts_of(const decode_rule& rule, const history_extent& history) noexcept {
+  return {policy_traits<Policy>::has_streams, policy_traits<Policy>::has_history,
+          keeps_anchors<Policy>(rule, history)};
+}
+
+inline batch_state_view carve_state(void* memory, const policy_shape& shape, const decode_rule& rule,
+                                    const history_extent& history, const state_parts& parts, const site& w,
+                                    std::size_t* bytes) {
   state_carver c(memory);
   const std::int64_t heads = std::int64_t{shape.num_seqs} * shape.num_kv_heads;
   const std::int64_t slots = heads * shape.capacity;
@@ -201,9 +214,9 @@ batch_state_view carve_state(void* memory, const policy_shape& shape, const deco
   v.scores = c.take<float>(2 * slots);
   v.score_buffer = c.take<std::uint8_t>(heads);
   v.appended = c.take<std::uint8_t>(heads);
-  if (policy_traits<Policy>::has_streams) v.streams = c.take<std::uint64_t>(shape.num_seqs);
+  if (parts.streams) v.streams = c.take<std::uint64_t>(shape.num_seqs);
   v.victim_scratch = c.take<std::int32_t>(slots);
-  if (policy_traits<Policy>::has_history) {
+  if (parts.history) {
     history_view& hv = v.history;
     hv.max_tokens = history.max_tokens;
     hv.head_dim = history.head_dim;
@@ -215,7 +228,7 @@ batch_state_view carve_state(void* memory, const policy_shape& shape, const deco
     hv.cached = c.take<std::uint8_t>(rows);
     hv.work = c.take<double>(heads * hv.work_doubles());
   }
-  if (keeps_anchors<Policy>(rule, history)) {
+  if (parts.anchors) {
     key_anchor_view& a = v.anchors;
     a.num_heads = shape.num_kv_heads;
     a.head_dim = history.head_dim;
@@ -228,11 +241,55 @@ batch_state_view carve_state(void* memory, const policy_shape& shape, const deco
   dw.arrivals = c.take<std::uint32_t>(heads);
   dw.evict_plans = c.take<evict_to_plan>(heads);
   dw.evict_counts = c.take<std::int32_t>(heads);
-  dw.select_bytes = evict_select_bytes(site{policy_traits<Policy>::name, "batch_state_bytes"}, heads, shape.capacity);
+  dw.select_bytes = evict_select_bytes(w, heads, shape.capacity);
   dw.select = c.take<unsigned char>(static_cast<std::int64_t>(dw.select_bytes));
   v.rule = rule;
   v.num_q_heads = shape.num_q_heads;
   if (bytes) *bytes = c.bytes();
+  return v;
+}
+
+template <class Policy>
+batch_state_view carve_state(void* memory, const policy_shape& shape, const decode_rule& rule,
+                             const history_extent& history, std::size_t* bytes) {
+  return carve_state(memory, shape, rule, history, parts_of<Policy>(rule, history),
+                     site{policy_traits<Policy>::name, "batch_state_bytes"}, bytes);
+}
+
+/// The state `v` moved by `delta` bytes: every pointer shifted, for a copy
+/// of its memory at another address (the offsets of a carve depend on the
+/// base's alignment only, so a copy from aligned base to aligned base keeps
+/// them). Null pointers stay null.
+inline batch_state_view rebase_state(batch_state_view v, std::ptrdiff_t delta) noexcept {
+  static_assert(sizeof(batch_state_view) == 264 && sizeof(history_view) == 56 && sizeof(device_workspace) == 48 &&
+                    sizeof(key_anchor_view) == 32,
+                "batch_state_view changed: shift its new pointers here too");
+  const auto shift = [delta](auto*& p) {
+    using T = std::remove_reference_t<decltype(*p)>;
+    if (p) p = reinterpret_cast<T*>(reinterpret_cast<std::uintptr_t>(p) + static_cast<std::uintptr_t>(delta));
+  };
+  shift(v.slots.positions);
+  shift(v.slots.counts);
+  shift(v.slots.next_slots);
+  shift(v.slots.lengths);
+  shift(v.scores);
+  shift(v.score_buffer);
+  shift(v.appended);
+  shift(v.streams);
+  shift(v.victim_scratch);
+  shift(v.history.keys);
+  shift(v.history.values);
+  shift(v.history.rows);
+  shift(v.history.cached);
+  shift(v.history.work);
+  shift(v.anchors.sums);
+  shift(v.anchors.units);
+  shift(v.anchors.upto);
+  shift(v.work.partials);
+  shift(v.work.arrivals);
+  shift(v.work.evict_plans);
+  shift(v.work.evict_counts);
+  shift(v.work.select);
   return v;
 }
 

@@ -72,7 +72,7 @@ inline const char* describe(batch_code code) noexcept {
     case batch_code::over_capacity: return "appending these tokens would exceed the capacity";
     case batch_code::not_observed: return "evict_to after an append that was not observed";
     case batch_code::narrow_input:
-      return "the input has fewer columns than the head holds tokens (after a multi-token append)";
+      return "the input has fewer columns than the head holds tokens (one per occupied slot)";
     case batch_code::repeated_sequence:
       return "the active list names this sequence more than once; no entry naming it stepped";
     case batch_code::bad_status_word:

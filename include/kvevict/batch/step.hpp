@@ -70,25 +70,39 @@ KVEVICT_HOST_DEVICE inline bool observe_skips(const batch_state_view& st, const 
   return active.retry && !st.appended[st.head_index(b, h)];
 }
 
-/// Observe + evict, the commit: the updated scores in the spare buffer
-/// become current, and `victim` (or none, -1) is freed; no K/V bytes move.
-/// A free slot holds 0 in both score buffers (a later switch of buffers
-/// must not bring a stale score back).
-/// The commit with the head's score buffer and count already read (a kernel
-/// has them in registers: no dependent load before the stores).
+/// Observe, the commit of the scores: the updated scores in the spare
+/// buffer become current and (b, h) is observed.
+KVEVICT_HOST_DEVICE inline void commit_observed_scores(const batch_state_view& st, std::int64_t bh,
+                                                       std::int32_t buffer) noexcept {
+  st.score_buffer[bh] = static_cast<std::uint8_t>(1 - buffer);
+  st.appended[bh] = 0;
+}
+
+/// Evict, the commit: `victim` is freed (its score 0 in both buffers, so a
+/// later switch of buffers cannot bring a stale score back) and becomes the
+/// next slot; no K/V bytes move. `count` is the head's tokens before the
+/// eviction. A KeyDiff anchor still counts
+/// the victim: it becomes stale (the KeyDiff step follows up, after_commit).
+KVEVICT_HOST_DEVICE inline void free_victim(const batch_state_view& st, std::int32_t b, std::int32_t h,
+                                            std::int32_t victim, std::int32_t count) noexcept {
+  const std::int64_t bh = st.head_index(b, h);
+  if (st.anchors.upto) st.anchors.upto[bh] = -1;
+  st.slots.positions_of(b, h)[victim] = -1;
+  st.buffer_of(b, h, 0)[victim] = 0.0f;
+  st.buffer_of(b, h, 1)[victim] = 0.0f;
+  st.slots.counts[bh] = count - 1;
+  st.slots.next_slots[bh] = victim;
+}
+
+/// Observe + evict, the commit: the updated scores become current and
+/// `victim` (or none, -1) is freed. The head's score buffer and count
+/// already read (a kernel has them in registers: no dependent load before
+/// the stores).
 KVEVICT_HOST_DEVICE inline void commit_observe_evict(const batch_state_view& st, std::int32_t b, std::int32_t h,
                                                      std::int32_t victim, std::int32_t buffer,
                                                      std::int32_t count) noexcept {
-  const std::int64_t bh = st.head_index(b, h);
-  st.score_buffer[bh] = static_cast<std::uint8_t>(1 - buffer);
-  st.appended[bh] = 0;
-  if (victim < 0) return;
-  if (st.anchors.upto) st.anchors.upto[bh] = -1;  // the anchor still counts the victim (KeyDiff follows up)
-  st.slots.positions_of(b, h)[victim] = -1;
-  st.buffer_of(b, h, 1 - buffer)[victim] = 0.0f;  // the updated scores, now current
-  st.buffer_of(b, h, buffer)[victim] = 0.0f;
-  st.slots.counts[bh] = count - 1;
-  st.slots.next_slots[bh] = victim;
+  commit_observed_scores(st, st.head_index(b, h), buffer);
+  if (victim >= 0) free_victim(st, b, h, victim, count);
 }
 
 KVEVICT_HOST_DEVICE inline void commit_observe_evict(const batch_state_view& st, std::int32_t b, std::int32_t h,

@@ -11,7 +11,7 @@
 #include "kvevict/error.hpp"
 #include "kvevict/kv_view.hpp"
 #include "kvevict/policy/policy_shape.hpp"
-#include "kvevict/policy/score_increments.hpp"
+#include "kvevict/policy/input_checks.hpp"
 
 namespace kvevict {
 namespace detail {
@@ -100,7 +100,11 @@ void require_batch_extents(const site& w, const char* arg, const V& view, const 
   require_extents(w, arg, view, expected, at_least);
 }
 
-inline std::int32_t decode_width(const batch_state_view& st) { return st.rule.budget + 1; }
+/// The columns a decode input must have before the call: one. The rule is
+/// the per-sequence API's: a column for every occupied slot, which a call
+/// checks per (sequence, head) against its count (narrow_input), since the
+/// counts live with the state (on CUDA, in device memory).
+inline std::int32_t decode_width(const batch_state_view&) { return 1; }
 
 inline void require_input(const site& w, const batch_state_view& st, const batch_probs& in) {
   require_batch_extents(w, "probs", in.probs, {st.num_seqs(), st.num_q_heads, decode_width(st)}, true);

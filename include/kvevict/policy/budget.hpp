@@ -7,8 +7,7 @@
 #include <vector>
 
 #include "kvevict/error.hpp"
-#include "kvevict/policy/h2o.hpp"
-#include "kvevict/policy/recent_window.hpp"
+#include "kvevict/policy/configs.hpp"
 
 namespace kvevict {
 

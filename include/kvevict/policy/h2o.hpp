@@ -20,95 +20,27 @@
 #include <cstdint>
 #include <vector>
 
+#include "kvevict/batch/host_backend.hpp"
+#include "kvevict/batch/prefill_key_diff.hpp"
+#include "kvevict/batch/prefill_window.hpp"
+#include "kvevict/batch/score_sources.hpp"
 #include "kvevict/error.hpp"
-#include "kvevict/order.hpp"
 #include "kvevict/policy/key_diff.hpp"
 #include "kvevict/policy/key_diff_anchor.hpp"
+#include "kvevict/policy/configs.hpp"
 #include "kvevict/policy/policy_base.hpp"
-#include "kvevict/policy/prefill_scores.hpp"
+#include "kvevict/sequence/checks.hpp"
+#include "kvevict/sequence/errors.hpp"
 #include "kvevict/policy/snapkv.hpp"
 
 namespace kvevict {
 
-struct h2o_config {
-  std::int32_t heavy = 0;   ///< tokens kept by accumulated score
-  std::int32_t recent = 0;  ///< newest tokens always kept (the newest included)
-  group_reduce reduce = group_reduce::sum;
-  float decay = 1.0f;       ///< gamma in [0, 1]: 1 accumulates (H2O), 0 is TOVA
-  std::int32_t sinks = 0;   ///< first positions always kept (attention sinks)
-
-  /// sinks + heavy + recent, computed in 64 bits (the constructor rejects overflow).
-  std::int64_t budget() const noexcept { return std::int64_t{sinks} + heavy + recent; }
-};
-
-/// TOVA (Oren et al., "Transformers are Multi-State RNNs", 2024): h2o with
-/// decay 0, so the victim is the token the newest query attends to least.
-inline h2o_config tova_config(std::int32_t heavy, std::int32_t recent = 0, std::int32_t sinks = 0,
-                              group_reduce reduce = group_reduce::mean) noexcept {
-  h2o_config c;
-  c.heavy = heavy;
-  c.recent = recent;
-  c.sinks = sinks;
-  c.reduce = reduce;
-  c.decay = 0.0f;
-  return c;
-}
-
-/// Key-norm (Devoto et al., "A Simple and Effective L2 Norm-Based Strategy
-/// for KV Cache Compression", 2024): h2o with decay 0 that observes
-/// key_norms instead of attention, so it keeps the `kept` keys of the
-/// smallest L2 norm beside the sinks and the recent window.
-inline h2o_config key_norm_config(std::int32_t kept, std::int32_t recent = 0, std::int32_t sinks = 0) noexcept {
-  h2o_config c;
-  c.heavy = kept;
-  c.recent = recent;
-  c.sinks = sinks;
-  c.decay = 0.0f;
-  return c;
-}
-
-class h2o_policy;
-
-template <>
-struct policy_traits<h2o_policy> {
-  using config_type = h2o_config;
-  static constexpr const char* name = "h2o_policy";
-  static constexpr bool has_streams = false;
-  static constexpr bool has_history = false;
-
-  /// Validates `c` and returns h2o's decode rule: the lowest (score,
-  /// position) outside the `recent` newest.
-  static decode_rule rule(const h2o_config& c, const char* function = "constructor") {
-    const detail::site w{name, function};
-    if (c.heavy < 0) detail::fail<budget_error>(w, "config.heavy", "= ", c.heavy, " is negative");
-    if (c.recent < 0) detail::fail<budget_error>(w, "config.recent", "= ", c.recent, " is negative");
-    if (c.sinks < 0) detail::fail<budget_error>(w, "config.sinks", "= ", c.sinks, " is negative");
-    detail::require_group_reduce(w, "config.reduce", c.reduce);
-    detail::require_decay(w, "config.decay", c.decay);
-    decode_rule r;
-    r.victim = victim_rule::lowest_score;
-    r.protect = {c.sinks, c.recent};
-    const std::int32_t kept = detail::budget_sum(w, "config.heavy + config.recent", c.heavy, c.recent);
-    r.budget = detail::budget_sum(w, "config.sinks + config.heavy + config.recent", c.sinks, kept);
-    r.reduce = c.reduce;
-    r.decay = c.decay;
-    return r;
-  }
-};
-
 class h2o_policy : public policy_base<h2o_policy> {
  public:
   h2o_policy(const policy_shape& shape, const h2o_config& config)
-      : policy_base("h2o_policy", shape, policy_traits<h2o_policy>::rule(config)), config_(config) {}
+      : policy_base(shape, policy_traits<h2o_policy>::rule(config)), config_(config) {}
 
   const h2o_config& config() const noexcept { return config_; }
-
-  /// window: a SnapKV prefill's observation window, kept beside `recent`.
-  void select_keep(std::int32_t, std::int32_t, std::int32_t length, const float* score, std::int32_t window,
-                   std::int32_t* keep) const {
-    keep_top_keys(length, config_.sinks, std::max(config_.recent, window),
-                  [score](std::int32_t p) { return eviction_key(score[p], p); }, keep);
-  }
 
   using policy_base::observe;
   using policy_base::prefill;
@@ -118,7 +50,7 @@ class h2o_policy : public policy_base<h2o_policy> {
   /// cached now (the new tokens added, O(head_dim) each; a fresh count
   /// after evict_to, prefill, reset or an evict on other scores), so the
   /// victim is the unprotected key most like the others. Needs decay 0
-  /// (key_norm_config). Above the budget, the victims observe finds leave
+  /// (key_norm_config). Above the budget the victims observe finds leave
   /// the anchor here: evict has no view to read their keys.
   template <class T, class Layout>
   void observe(std::int32_t b, const key_diff<T, Layout>& in) {
@@ -126,32 +58,28 @@ class h2o_policy : public policy_base<h2o_policy> {
     require_observable(w, b);
     detail::require_policy_view(w, shape(), in.cache);
     detail::require_replacing_decay(w, "key_diff", true, rule().decay);
-    const std::int32_t width = slots_.occupied_width(b), heads = shape().num_kv_heads, d = in.cache.head_dim;
-    require_rows(w, in.cache, b, width, occupied(b));
-    const key_anchor_view a = anchors_.sized(shape().num_seqs, heads, d);
-    for (std::int32_t h = 0; h < heads; ++h) {
-      const std::int32_t* pos = slots_.positions_of(b, h);
-      const std::int32_t bad = detail::refresh_key_anchor(a, in.cache, b, h, pos, width, slots_.length(b));
-      float* out = scratch_.data() + std::size_t(h) * shape().capacity;
-      for (std::int32_t s = 0; s < width; ++s) {
-        if (pos[s] < 0) continue;
-        const float norm = key_length(in.cache.k_row(b, h, s), d);  // an old key too: the engine may overwrite it
-        if (s == bad || !std::isfinite(norm))
-          detail::fail_state<non_finite_error>(w, "||cache.k||[", h, "][", s, "] of sequence ", b,
-                                               " is not finite: KeyDiff needs finite keys");
-        out[s] = key_diff_score(in.cache.k_row(b, h, s), a.units_of(b, h), d, norm);
-      }
+    require_rows(w, in.cache, b, slots().occupied_width(b), occupied(b));
+    state_.require_anchors(in.cache.head_dim);
+    const score_source<key_diff<T, Layout>> source{in, state().anchors};
+    observe_heads(
+        b,
+        [&](std::int32_t h, std::int32_t& victim) { return detail::key_diff_head(state(), b, h, source, victim); },
+        [&](std::uint64_t word) {
+          detail::fail_decode_step(
+              w, state(), b, source, "||cache.k||",
+              [&](std::int32_t h, std::int32_t s, const slot_increment&) {
+                detail::fail_state<non_finite_error>(w, "||cache.k||[", h, "][", s, "] of sequence ", b,
+                                                     " is not finite: KeyDiff needs finite keys");
+              },
+              word);
+        });
+    if (slots().count(b, 0) <= budget()) return;
+    for (std::int32_t h = 0; h < shape().num_kv_heads; ++h) {
+      const std::int32_t victim = found_victims_[std::size_t(state().head_index(b, h))];
+      if (victim >= 0) remove_from_key_anchor(state().anchors, in.cache, b, h, victim);
     }
-    commit_increments(w, b, width);
-    if (slots_.count(b, 0) <= budget() || !victims_found_[std::size_t(b)]) return;
-    for (std::int32_t h = 0; h < heads; ++h) {
-      const std::int32_t victim = found_victims_[std::size_t(head_index(b, h))];
-      if (victim >= 0) remove_from_key_anchor(a, in.cache, b, h, victim);
-    }
-    anchors_.expect_eviction(b);
+    anchor_follows_[std::size_t(b)] = 1;
   }
-
-  void on_cached_change(std::int32_t b, cached_change c) noexcept { anchors_.changed(b, c); }
 
   /// KeyDiff prefill (key_diff.hpp): position p scores -cos(k_p, anchor),
   /// the anchor the sum of the unit prompt keys of its head; the least
@@ -160,19 +88,16 @@ class h2o_policy : public policy_base<h2o_policy> {
   template <class T, class Layout>
   prefill_result prefill(std::int32_t b, std::int32_t length, const key_diff<T, Layout>& in) {
     const detail::site w = where("prefill");
-    require_prefill(w, b, length);
-    detail::require_policy_view(w, shape(), in.cache);
-    require_rows(w, in.cache, b, length, all_columns());
-    std::vector<std::int64_t> sums(std::size_t(in.cache.head_dim));
-    std::vector<float> unit(std::size_t(in.cache.head_dim));
-    for (std::int32_t h = 0; h < shape().num_kv_heads; ++h) {
-      const std::int32_t bad = detail::key_diff_scores(in.cache, b, h, length, sums.data(), unit.data(),
-                                                       scratch_.data() + std::size_t(h) * shape().capacity);
-      if (bad >= 0)
-        detail::fail_state<non_finite_error>(w, "||cache.k||[", h, "][", bad, "] of sequence ", b,
-                                             " is not finite: KeyDiff needs finite prompt keys");
-    }
-    return commit_prefill(w, b, length, &in.cache);
+    require_prompt(w, b, length, in.cache);
+    return run_one(
+        w, b, length,
+        [&](const prompt_lengths& prompts, std::int32_t* pages, std::uint64_t* status) {
+          detail::run_prefill(state(), active_set::of_list(&b, 1), prompts, in, pages, status);
+        },
+        [&](std::int32_t h, std::int32_t p) {
+          detail::fail_state<non_finite_error>(w, "||cache.k||[", h, "][", p, "] of sequence ", b,
+                                               " is not finite: KeyDiff needs finite prompt keys");
+        });
   }
 
   /// SnapKV prefill (snapkv.hpp): scores from the attention of the last
@@ -181,16 +106,26 @@ class h2o_policy : public policy_base<h2o_policy> {
   template <class T, class Layout>
   prefill_result prefill(std::int32_t b, std::int32_t length, const window_probs& in, const kv_view<T, Layout>& view) {
     const detail::site w = snap_call(b, length, in.snap, view);
-    detail::score_prefill(w, shape(), group(), rule().decay, length, in, scratch_.data(), shape().capacity);
-    return commit_prefill(w, b, length, &view, in.snap.window);
+    detail::require_window_rows(w, "probs", in.probs, shape(), in.snap.window, length, true);
+    return snap_prefill(w, b, length, in, view, "probs", [&](std::int32_t q, std::int32_t r, std::int32_t p) {
+      return in.probs(q, r, p);
+    });
   }
 
   /// The same from the window rows' logits and LSE.
   template <class T, class Layout>
   prefill_result prefill(std::int32_t b, std::int32_t length, const window_logits& in, const kv_view<T, Layout>& view) {
     const detail::site w = snap_call(b, length, in.snap, view);
-    detail::score_prefill(w, shape(), group(), rule().decay, length, in, scratch_.data(), shape().capacity);
-    return commit_prefill(w, b, length, &view, in.snap.window);
+    detail::require_window_rows(w, "logits", in.logits, shape(), in.snap.window, length, true);
+    detail::require_window_lse(w, in.lse, shape(), in.snap.window);
+    detail::require_scale(w, in.scale);
+    detail::require_lse_base(w, "base", in.base);
+    return snap_prefill(w, b, length, in, view, "probs from (logits, lse)",
+                        [&](std::int32_t q, std::int32_t r, std::int32_t p) {
+                          const float logit = in.logits(q, r, p);
+                          detail::require_finite(w, "logits", logit, q, r, p);
+                          return probability_from_logit(logit, in.scale, in.lse(q, r), in.base);
+                        });
   }
 
   /// The same from the window rows' queries and LSE and the keys in slots
@@ -199,9 +134,19 @@ class h2o_policy : public policy_base<h2o_policy> {
   prefill_result prefill(std::int32_t b, std::int32_t length, const window_queries<Q>& in,
                          const kv_view<T, Layout>& view) {
     const detail::site w = snap_call(b, length, in.snap, view);
-    require_rows(w, view, b, length, all_columns());
-    detail::score_prefill(w, shape(), group(), rule().decay, b, length, in, view, scratch_.data(), shape().capacity);
-    return commit_prefill(w, b, length, &view, in.snap.window);
+    detail::require_window_rows(w, "q", in.q, shape(), in.snap.window, view.head_dim, false);
+    detail::require_window_lse(w, in.lse, shape(), in.snap.window);
+    detail::require_scale(w, in.scale);
+    detail::require_lse_base(w, "base", in.base);
+    for (std::int32_t q = 0; q < shape().num_q_heads; ++q)
+      for (std::int32_t r = 0; r < in.snap.window; ++r)
+        for (std::int32_t d = 0; d < view.head_dim; ++d) detail::require_finite(w, "q", to_float(in.q(q, r, d)), q, r, d);
+    return snap_prefill(w, b, length, in, view, "probs from (q, lse)",
+                        [&](std::int32_t q, std::int32_t r, std::int32_t p) {
+                          return detail::prefill_query_value(&in.q(q, r, 0), in.q.strides[2],
+                                                             view.k_row(b, q / shape().group_size(), p),
+                                                             view.head_dim, in.scale, in.lse(q, r), in.base);
+                        });
   }
 
  private:
@@ -210,14 +155,32 @@ class h2o_policy : public policy_base<h2o_policy> {
   detail::site snap_call(std::int32_t b, std::int32_t length, const snap_window& snap,
                          const kv_view<T, Layout>& view) const {
     const detail::site w = where("prefill");
-    require_prefill(w, b, length);
-    detail::require_policy_view(w, shape(), view);
+    require_prompt(w, b, length, view);
     detail::require_snap_window(w, "in.snap", snap, rule());
+    detail::require_window_length(w, length, snap);
     return w;
   }
 
+  /// The backend's SnapKV prefill of b; a refused column named from
+  /// element(q, r, p), the probability of window row r (named arg[q][r][p]).
+  template <class In, class T, class Layout, class Element>
+  prefill_result snap_prefill(const detail::site& w, std::int32_t b, std::int32_t length, const In& in,
+                              const kv_view<T, Layout>& view, const char* arg, Element element) {
+    return run_one(
+        w, b, length,
+        [&](const prompt_lengths& prompts, std::int32_t* pages, std::uint64_t* status) {
+          detail::run_prefill(state(), active_set::of_list(&b, 1), prompts, as_batch(in, shape().num_seqs), view,
+                              pages, status);
+        },
+        [&](std::int32_t h, std::int32_t p) {
+          const std::int32_t first = length - in.snap.window;  // window row 0's prompt row
+          detail::fail_prefill_column(w, arg, "pooled window sums", shape().group_size(), h, p,
+                                      p > first ? p - first : 0, in.snap.window,
+                                      [&](std::int32_t q, std::int32_t r) { return element(q, r, p); });
+        });
+  }
+
   h2o_config config_;
-  key_anchor_store anchors_;  // KeyDiff's, sized by its first observe
 };
 
 }  // namespace kvevict

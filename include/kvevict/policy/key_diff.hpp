@@ -34,13 +34,6 @@
 
 namespace kvevict {
 
-/// KeyDiff's input: the cached prompt keys (slots [0, L) of each sequence).
-/// The per-sequence prefill and the batched calls take the same struct.
-template <class T, class Layout>
-struct key_diff {
-  kv_view<T, Layout> cache;
-};
-
 /// Fixed-point scale of the anchor's components: 2^32, so a component of a
 /// unit vector loses nothing above 2^-32 and 2^31 of them fit an int64.
 inline constexpr float key_diff_anchor_scale = 4294967296.0f;

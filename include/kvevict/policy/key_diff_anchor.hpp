@@ -14,9 +14,8 @@
 // decided on other scores, evict_to, prefill, reset) marks it stale
 // (upto = -1), and the next refresh counts every cached key once: the same
 // bits again. The functions are KVEVICT_HOST_DEVICE and serve the
-// per-sequence h2o_policy, the batched host backend and the CUDA kernels.
+// batched host backend (and through it h2o_policy) and the CUDA kernels.
 #include <cstdint>
-#include <vector>
 
 #include "kvevict/config.hpp"
 #include "kvevict/kv_view.hpp"
@@ -90,53 +89,5 @@ KVEVICT_HOST_DEVICE void remove_from_key_anchor(const key_anchor_view& a, const 
   const T* k = cache.k_row(b, h, s);
   key_diff_accumulate(a.sums_of(b, h), k, a.head_dim, key_length(k, a.head_dim), -1);
 }
-
-/// The per-sequence policy's anchors (h2o_policy): host vectors behind a
-/// key_anchor_view, sized when a key_diff observe first shows the head_dim.
-/// `evicting[b]` says the anchors of b already left out the victims of
-/// b's step: observe takes them out where it finds them, because evict
-/// has no view to read their keys.
-class key_anchor_store {
- public:
-  bool empty() const noexcept { return upto_.empty(); }
-
-  /// Views of anchors for `head_dim`; a first call or another head_dim
-  /// (re)allocates, every anchor stale.
-  key_anchor_view sized(std::int32_t num_seqs, std::int32_t num_heads, std::int32_t head_dim) {
-    if (view_.head_dim != head_dim || upto_.empty()) {
-      const std::size_t heads = std::size_t(num_seqs) * std::size_t(num_heads);
-      sums_.assign(heads * std::size_t(head_dim), 0);
-      units_.assign(heads * std::size_t(head_dim), 0.0f);
-      upto_.assign(heads, -1);
-      evicting_.assign(std::size_t(num_seqs), 0);
-      view_ = key_anchor_view{sums_.data(), units_.data(), upto_.data(), num_heads, head_dim};
-    }
-    return view_;
-  }
-  const key_anchor_view& view() const noexcept { return view_; }
-
-  /// After observe took sequence b's victims out of its anchors.
-  void expect_eviction(std::int32_t b) noexcept { evicting_[std::size_t(b)] = 1; }
-
-  /// The cached set of b changed: after an append the next refresh adds
-  /// the new tokens, after the eviction observe expected the anchors are
-  /// current; anything else (or an append while an eviction was expected)
-  /// leaves them stale, and the next refresh counts afresh.
-  void changed(std::int32_t b, cached_change c) noexcept {
-    if (upto_.empty()) return;
-    const bool follows = c == cached_change::append ? !evicting_[std::size_t(b)]
-                                                    : c == cached_change::found_victims_evicted && evicting_[std::size_t(b)];
-    evicting_[std::size_t(b)] = 0;
-    if (!follows)
-      for (std::int32_t h = 0; h < view_.num_heads; ++h) upto_[std::size_t(view_.index(b, h))] = -1;
-  }
-
- private:
-  std::vector<std::int64_t> sums_;
-  std::vector<float> units_;
-  std::vector<std::int32_t> upto_;
-  std::vector<std::uint8_t> evicting_;
-  key_anchor_view view_;
-};
 
 }  // namespace kvevict

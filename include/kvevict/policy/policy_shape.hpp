@@ -21,12 +21,6 @@ struct policy_shape {
   std::int32_t group_size() const noexcept { return num_q_heads / num_kv_heads; }
 };
 
-/// How a call changed the tokens a sequence caches, for policies that keep
-/// something derived from them (h2o's KeyDiff anchors): an append, an
-/// evict of the victims observe found, or anything else (evict on other
-/// victims, evict_to, prefill, reset).
-enum class cached_change { append, found_victims_evicted, other };
-
 /// What prefill compression did to one sequence.
 struct prefill_result {
   std::int32_t kept = 0;  ///< tokens kept per KV head, now in slots [0, kept)

@@ -1,10 +1,9 @@
 #pragma once
-// Turning each score input (score_inputs.hpp) into one float per
-// (KV head, slot): the GQA group reduction (decode_rules.hpp), with
-// validation that names the offending element.
-//
-// Results go to a caller buffer first and are committed only when every value
-// has been checked, which is how observe/prefill keep the strong guarantee.
+// The checks of a score input (score_inputs.hpp) that name what they
+// refuse: an extent, a NaN or infinite element, a negative probability, a
+// scale. Every call checks before it commits, which is how the strong
+// guarantee holds; a name is built only when a check fails, so checking
+// allocates nothing.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -22,12 +21,6 @@
 namespace kvevict {
 namespace detail {
 
-struct group_info {
-  std::int32_t num_kv_heads;
-  std::int32_t group_size;
-  group_reduce reduce;
-};
-
 /// Throws non_finite_error naming arg[i][j]... unless x is finite. The name
 /// is built only on failure, so validation allocates nothing.
 template <class Where, class... Index>
@@ -36,22 +29,6 @@ void require_finite(const Where& where, const char* arg, float x, Index... index
   std::string name = arg;
   ((name += concat("[", index, "]")), ...);
   fail<non_finite_error>(where, name, "is ", std::isnan(x) ? "NaN" : (x > 0 ? "inf" : "-inf"));
-}
-
-/// Key-norm increments of sequence b: key_norm_score of the cached key of
-/// every wanted (h, s) into out[h * stride + s]; a norm that is not finite
-/// (a NaN or infinite element, or squares that overflow) is named by its
-/// (head, slot) as "-||cache.k||[h][s]".
-template <class Where, class T, class Layout, class Wanted>
-void key_norm_increments(const Where& where, const kv_view<T, Layout>& view, std::int32_t b, std::int32_t width,
-                         Wanted wanted, float* out, std::int32_t stride) {
-  for (std::int32_t h = 0; h < view.num_heads; ++h)
-    for (std::int32_t s = 0; s < width; ++s)
-      if (wanted(h, s)) {
-        const float x = key_norm_score(view.k_row(b, h, s), view.head_dim);
-        require_finite(where, "-||cache.k||", x, h, s);
-        out[std::size_t(h) * stride + s] = x;
-      }
 }
 
 /// Throws for a probability that is not finite or is negative (out of line:
@@ -79,29 +56,6 @@ template <class Where>
   }
   require_finite(where, arg, x, inc.query, c);
   fail<invalid_argument>(where, concat(arg, "[", inc.query, "][", c, "]"), "= ", x, " is not a valid input");
-}
-
-/// out[h * out_stride + c] = reduce over the query heads q of group h of
-/// value(q, c), for every column c with wanted(h, c), by fold_group (the
-/// rule every backend shares). value() returns a probability mass; it is
-/// validated there and reported under the name `arg`.
-template <class Where, class Wanted, class Value>
-void reduce_groups(const Where& where, const char* arg, const group_info& g, std::int32_t columns, Wanted wanted,
-                   Value value, float* out, std::int64_t out_stride) {
-  for (std::int32_t h = 0; h < g.num_kv_heads; ++h) {
-    float* row = out + h * out_stride;
-    for (std::int32_t c = 0; c < columns; ++c) {
-      if (!wanted(h, c)) continue;
-      const slot_increment inc =
-          fold_group(h * g.group_size, g.group_size, g.reduce, true, [&](std::int32_t q) { return value(q, c); });
-      if (inc.code != batch_code::ok) fail_input(where, arg, inc, value(inc.query, c), c);
-      // Finite elements can still sum past FLT_MAX: refuse, as for the score.
-      if (!std::isfinite(inc.value))
-        fail<non_finite_error>(where, concat(arg, "[", h * g.group_size, "..", (h + 1) * g.group_size - 1, "][", c, "]"),
-                               "overflows to ", inc.value, " when reduced over the query heads of KV head ", h);
-      row[c] = inc.value;
-    }
-  }
 }
 
 /// A data pointer, the extents expected (exactly, or at least where

@@ -1,14 +1,14 @@
 #pragma once
-// The argument checks of the per-sequence policies (policy_base) that need
+// The argument checks of the per-sequence policies (protocol.hpp) that need
 // only the policy's shape: the cache view, a step's or a prompt's queries
-// and LSE, a (sequence, head) index. Each throws a kvevict::error naming the argument
-// before anything changes.
+// and LSE, SnapKV's window inputs, a (sequence, head) index. Each throws a
+// kvevict::error naming the argument before anything changes.
 #include <cstdint>
 
 #include "kvevict/error.hpp"
 #include "kvevict/kv_view.hpp"
 #include "kvevict/policy/policy_shape.hpp"
-#include "kvevict/policy/score_increments.hpp"
+#include "kvevict/policy/input_checks.hpp"
 #include "kvevict/score_inputs.hpp"
 #include "kvevict/tensor_view.hpp"
 
@@ -66,6 +66,33 @@ void require_prefill_queries(const site& w, const policy_shape& shape, const pre
       require_finite(w, "lse", in.lse(q, i), q, i);
       for (std::int32_t d = 0; d < head_dim; ++d) require_finite(w, "q", to_float(in.q(q, i, d)), q, i, d);
     }
+}
+
+/// SnapKV: the prompt must hold the observation window.
+inline void require_window_length(const site& w, std::int32_t length, const snap_window& snap) {
+  if (length < snap.window)
+    fail<out_of_range>(w, "length", "= ", length, " is below in.snap.window = ", snap.window,
+                       ": the observation window is longer than the prompt");
+}
+
+/// SnapKV: a window input's extents [Hq][window][last] (at least `last`
+/// when last_at_least).
+template <class V>
+void require_window_rows(const site& w, const char* arg, const V& view, const policy_shape& shape,
+                         std::int32_t window, std::int32_t last, bool last_at_least) {
+  const std::int32_t expected[3] = {shape.num_q_heads, window, last};
+  const bool at_least[3] = {false, false, last_at_least};
+  require_extents(w, arg, view, expected, at_least);
+}
+
+/// SnapKV: the window rows' LSE, [Hq][window], finite.
+inline void require_window_lse(const site& w, const tensor_view<const float, 2>& lse, const policy_shape& shape,
+                               std::int32_t window) {
+  const std::int32_t expected[2] = {shape.num_q_heads, window};
+  const bool exact[2] = {false, false};
+  require_extents(w, "lse", lse, expected, exact);
+  for (std::int32_t q = 0; q < shape.num_q_heads; ++q)
+    for (std::int32_t r = 0; r < window; ++r) require_finite(w, "lse", lse(q, r), q, r);
 }
 
 /// A (sequence, KV head) index pair of the policy.
