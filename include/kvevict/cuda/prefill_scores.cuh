@@ -14,6 +14,7 @@
 #include "kvevict/batch/status.hpp"
 #include "kvevict/cuda/device_helpers.cuh"
 #include "kvevict/cuda/prefill_workspace.cuh"
+#include "kvevict/cuda/query_tile.cuh"
 #include "kvevict/kv_view.hpp"
 #include "kvevict/policy/column_sums.hpp"
 #include "kvevict/policy/decode_rules.hpp"
@@ -80,13 +81,10 @@ __global__ void __launch_bounds__(Threads)
     prefill_probs_partials_kernel(batch_state_view st, active_set active, prompt_lengths prompts,
                                   batch_prefill_probs in, prefill_workspace ws, std::int32_t tiles,
                                   std::uint64_t* status) {
-  const std::int32_t pair = static_cast<std::int32_t>(blockIdx.x) / tiles;
-  const std::int32_t tile = static_cast<std::int32_t>(blockIdx.x) % tiles;
-  const std::int32_t entry = pair / st.num_q_heads, q = pair % st.num_q_heads, h = q / st.group_size();
-  const std::int32_t b = kvevict::detail::check_entry(active, entry, st.num_seqs()).sequence;  // repeats step nothing
-  if (b < 0 || ws.head_refused[std::int64_t{entry} * st.num_heads() + h]) return;
-  const std::int32_t length = prompts.lengths[b];
-  const std::int32_t p = tile * Threads + static_cast<std::int32_t>(threadIdx.x);
+  const prefill_tile at(st, active, prompts, ws, tiles, true);
+  if (at.b < 0) return;
+  const std::int32_t pair = at.unit, entry = at.entry, q = at.q, h = at.h, b = at.b, length = at.length;
+  const std::int32_t p = at.tile * Threads + static_cast<std::int32_t>(threadIdx.x);
   if (p >= length) return;  // no barrier in this kernel: threads leave on their own
   float* partials = ws.partials + std::int64_t{pair} * ws.per_pair;
   for (std::int32_t chunk = static_cast<std::int32_t>(blockIdx.y); chunk < prefill_chunks(length);
@@ -106,58 +104,6 @@ __global__ void __launch_bounds__(Threads)
   }
 }
 
-/// Shared memory of the queries kernel: the tile's keys (rows padded by one
-/// element against bank conflicts), the staged query rows and their LSE.
-template <class Q, class T>
-struct query_tile_layout {
-  std::size_t key_bytes, query_bytes, lse_bytes;
-  KVEVICT_HOST_DEVICE explicit query_tile_layout(std::int32_t head_dim)
-      : key_bytes(round16(std::size_t(kPrefillKeys) * std::size_t(head_dim + 1) * sizeof(T))),
-        query_bytes(round16(std::size_t(kPrefillQueryRows) * std::size_t(head_dim) * sizeof(Q))),
-        lse_bytes(std::size_t(kPrefillQueryRows) * sizeof(float)) {}
-  KVEVICT_HOST_DEVICE std::size_t total() const { return key_bytes + query_bytes + lse_bytes; }
-  KVEVICT_HOST_DEVICE static std::size_t round16(std::size_t x) { return (x + 15) / 16 * 16; }
-};
-
-/// A queries kernel's shared memory, carved as query_tile_layout says, and
-/// the staging both queries kernels (this one and SnapKV's) share: the
-/// tile's keys once, then kPrefillQueryRows query rows at a time.
-template <int Threads, class Q, class T>
-struct query_tile {
-  T* keys;
-  Q* queries;
-  float* lse;
-  std::int32_t d, key_stride;
-
-  __device__ query_tile(unsigned char* memory, std::int32_t head_dim) : d(head_dim), key_stride(head_dim + 1) {
-    const query_tile_layout<Q, T> layout(head_dim);
-    keys = reinterpret_cast<T*>(memory);
-    queries = reinterpret_cast<Q*>(memory + layout.key_bytes);
-    lse = reinterpret_cast<float*>(memory + layout.key_bytes + layout.query_bytes);
-  }
-  /// The keys of positions [first, first + count) of (b, h).
-  template <class Layout>
-  __device__ void stage_keys(const kv_view<T, Layout>& cache, std::int32_t b, std::int32_t h, std::int32_t first,
-                             std::int32_t count, std::int32_t t) {
-    for (std::int32_t x = t; x < count * d; x += Threads) {
-      const std::int32_t r = x / d, e = x - r * d;
-      keys[r * key_stride + e] = cache.k_row(b, h, first + r)[e];
-    }
-  }
-  /// Rows [0, rows) of query(r, e) and lse_of(r). The caller syncs before
-  /// (the previous rows are no longer read) and after.
-  template <class Query, class Lse>
-  __device__ void stage_rows(std::int32_t rows, std::int32_t t, Query query, Lse lse_of) {
-    for (std::int32_t x = t; x < rows * d; x += Threads) {
-      const std::int32_t r = x / d, e = x - r * d;
-      queries[r * d + e] = query(r, e);
-    }
-    for (std::int32_t r = t; r < rows; r += Threads) lse[r] = lse_of(r);
-  }
-  __device__ const Q* query_row(std::int32_t r) const { return queries + r * d; }
-  __device__ const T* key_of(std::int32_t t) const { return keys + t * key_stride; }
-};
-
 /// Chunk partials from queries + LSE and the cached keys; the same grid as
 /// the probs kernel with kPrefillKeys columns per tile.
 template <int Threads, class Q, class T, class Layout>
@@ -169,13 +115,10 @@ __global__ void __launch_bounds__(Threads)
   extern __shared__ __align__(16) unsigned char tile_memory[];
   query_tile<Threads, Q, T> tile_of(tile_memory, cache.head_dim);
 
-  const std::int32_t pair = static_cast<std::int32_t>(blockIdx.x) / tiles;
-  const std::int32_t tile = static_cast<std::int32_t>(blockIdx.x) % tiles;
-  const std::int32_t entry = pair / st.num_q_heads, q = pair % st.num_q_heads, h = q / st.group_size();
-  const std::int32_t b = kvevict::detail::check_entry(active, entry, st.num_seqs()).sequence;  // repeats step nothing
-  if (b < 0 || ws.head_refused[std::int64_t{entry} * st.num_heads() + h]) return;  // the whole block
-  const std::int32_t length = prompts.lengths[b];
-  const std::int32_t first = tile * Threads;
+  const prefill_tile at(st, active, prompts, ws, tiles, true);
+  if (at.b < 0) return;  // the whole block
+  const std::int32_t pair = at.unit, entry = at.entry, q = at.q, h = at.h, b = at.b, length = at.length;
+  const std::int32_t first = at.tile * Threads;
   if (first >= length) return;  // the whole block
   const std::int32_t t = static_cast<std::int32_t>(threadIdx.x), p = first + t;
   tile_of.stage_keys(cache, b, h, first, length - first < Threads ? length - first : Threads, t);
@@ -219,13 +162,10 @@ template <int Threads>
 __global__ void __launch_bounds__(Threads)
     prefill_combine_kernel(batch_state_view st, active_set active, prompt_lengths prompts, prefill_workspace ws,
                            std::int32_t tiles, std::uint64_t* status) {
-  const std::int32_t segment = static_cast<std::int32_t>(blockIdx.x) / tiles;
-  const std::int32_t tile = static_cast<std::int32_t>(blockIdx.x) % tiles;
-  const std::int32_t entry = segment / st.num_heads(), h = segment % st.num_heads(), g = st.group_size();
-  const std::int32_t b = kvevict::detail::check_entry(active, entry, st.num_seqs()).sequence;  // repeats step nothing
-  if (b < 0 || ws.head_refused[segment]) return;
-  const std::int32_t length = prompts.lengths[b];
-  const std::int32_t p = tile * Threads + static_cast<std::int32_t>(threadIdx.x);
+  const prefill_tile at(st, active, prompts, ws, tiles, false);
+  if (at.b < 0) return;
+  const std::int32_t segment = at.unit, entry = at.entry, h = at.h, b = at.b, length = at.length, g = st.group_size();
+  const std::int32_t p = at.tile * Threads + static_cast<std::int32_t>(threadIdx.x);
   if (p >= length) return;
   const float* group = ws.partials + (std::int64_t{entry} * st.num_q_heads + std::int64_t{h} * g) * ws.per_pair;
   const slot_increment inc = kvevict::detail::fold_prefill_column(h * g, g, st.rule.reduce, [&](std::int32_t q) {
@@ -244,14 +184,11 @@ template <int Threads>
 __global__ void __launch_bounds__(Threads)
     prefill_sums_kernel(batch_state_view st, active_set active, prompt_lengths prompts, batch_prefill_sums in,
                         prefill_workspace ws, std::int32_t tiles, std::uint64_t* status) {
-  const std::int32_t segment = static_cast<std::int32_t>(blockIdx.x) / tiles;
-  const std::int32_t tile = static_cast<std::int32_t>(blockIdx.x) % tiles;
-  const std::int32_t entry = segment / st.num_heads(), h = segment % st.num_heads(), g = st.group_size();
-  const std::int32_t b = kvevict::detail::check_entry(active, entry, st.num_seqs()).sequence;  // repeats step nothing
-  if (b < 0 || ws.head_refused[segment]) return;
-  const std::int32_t length = prompts.lengths[b];
-  const std::int32_t p = tile * Threads + static_cast<std::int32_t>(threadIdx.x);
-  if (p >= length) return;
+  const prefill_tile at(st, active, prompts, ws, tiles, false);
+  if (at.b < 0) return;
+  const std::int32_t segment = at.unit, entry = at.entry, h = at.h, b = at.b, g = st.group_size();
+  const std::int32_t p = at.tile * Threads + static_cast<std::int32_t>(threadIdx.x);
+  if (p >= at.length) return;
   batch_code code = batch_code::ok;
   for (std::int32_t q = h * g; q < (h + 1) * g; ++q)
     code = kvevict::detail::lower_code(code, classify_input(in.sums(b, q, p), true));
@@ -271,13 +208,11 @@ template <int Threads, class T, class Layout>
 __global__ void __launch_bounds__(Threads)
     prefill_key_norms_kernel(batch_state_view st, active_set active, prompt_lengths prompts, key_norms<T, Layout> in,
                              prefill_workspace ws, std::int32_t tiles, std::uint64_t* status) {
-  const std::int32_t segment = static_cast<std::int32_t>(blockIdx.x) / tiles;
-  const std::int32_t tile = static_cast<std::int32_t>(blockIdx.x) % tiles;
-  const std::int32_t entry = segment / st.num_heads(), h = segment % st.num_heads();
-  const std::int32_t b = kvevict::detail::check_entry(active, entry, st.num_seqs()).sequence;  // repeats step nothing
-  if (b < 0 || ws.head_refused[segment]) return;
-  const std::int32_t p = tile * Threads + static_cast<std::int32_t>(threadIdx.x);
-  if (p >= prompts.lengths[b]) return;
+  const prefill_tile at(st, active, prompts, ws, tiles, false);
+  if (at.b < 0) return;
+  const std::int32_t segment = at.unit, entry = at.entry, h = at.h, b = at.b;
+  const std::int32_t p = at.tile * Threads + static_cast<std::int32_t>(threadIdx.x);
+  if (p >= at.length) return;
   const slot_increment inc = score_source<key_norms<T, Layout>>{in, st.group_size(), st.rule.reduce}.increment(b, h, p);
   ws.scores[std::int64_t{segment} * ws.max_length + p] = inc.value;
   if (inc.code != batch_code::ok) {
@@ -328,28 +263,6 @@ struct scoring_probs {
     return e == cudaSuccess ? launch_combine(l) : e;
   }
 };
-
-/// The query tile grows with head_dim: refuse one the device cannot hold
-/// before the call's memset and prepare kernel change anything.
-template <class Q, class T>
-void require_query_tile(const kvevict::detail::site& w, std::int32_t head_dim) {
-  const std::size_t shared = query_tile_layout<Q, T>(head_dim).total();
-  int device = 0, limit = 0;
-  if (shared > 48 * 1024 && cudaGetDevice(&device) == cudaSuccess &&
-      cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) == cudaSuccess &&
-      shared > static_cast<std::size_t>(limit))
-    kvevict::detail::fail<invalid_argument>(w, "cache.head_dim", "= ", head_dim, " needs ", shared,
-                                            " bytes of shared memory per block for these dtypes; the device "
-                                            "allows ", limit);
-}
-
-/// Beyond the default 48 KiB a kernel opts in (up to the device's limit,
-/// which require_query_tile checked).
-template <class Kernel>
-cudaError_t opt_in_shared(Kernel kernel, std::size_t shared) {
-  if (shared <= 48 * 1024) return cudaSuccess;
-  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared));
-}
 
 template <class Q, class T, class Layout>
 struct scoring_queries {

@@ -19,6 +19,7 @@
 #include "kvevict/cuda/prefill.cuh"
 #include "kvevict/cuda/prefill_scores.cuh"
 #include "kvevict/cuda/prefill_workspace.cuh"
+#include "kvevict/cuda/query_tile.cuh"
 #include "kvevict/kv_view.hpp"
 #include "kvevict/policy/snapkv.hpp"
 
@@ -32,13 +33,10 @@ template <int Threads, class Source>
 __global__ void __launch_bounds__(Threads)
     prefill_window_sums_kernel(batch_state_view st, active_set active, prompt_lengths prompts, Source source,
                                std::int32_t window, prefill_workspace ws, std::int32_t tiles, std::uint64_t* status) {
-  const std::int32_t pair = static_cast<std::int32_t>(blockIdx.x) / tiles;
-  const std::int32_t tile = static_cast<std::int32_t>(blockIdx.x) % tiles;
-  const std::int32_t entry = pair / st.num_q_heads, q = pair % st.num_q_heads, h = q / st.group_size();
-  const std::int32_t b = kvevict::detail::check_entry(active, entry, st.num_seqs()).sequence;  // repeats step nothing
-  if (b < 0 || ws.head_refused[std::int64_t{entry} * st.num_heads() + h]) return;
-  const std::int32_t length = prompts.lengths[b];
-  const std::int32_t p = tile * Threads + static_cast<std::int32_t>(threadIdx.x);
+  const prefill_tile at(st, active, prompts, ws, tiles, true);
+  if (at.b < 0) return;
+  const std::int32_t pair = at.unit, entry = at.entry, q = at.q, h = at.h, b = at.b, length = at.length;
+  const std::int32_t p = at.tile * Threads + static_cast<std::int32_t>(threadIdx.x);
   if (p >= length) return;  // no barrier in this kernel
   batch_code code = batch_code::ok;
   ws.partials[std::int64_t{pair} * ws.per_pair + p] = kvevict::detail::window_column_sum(
@@ -63,13 +61,10 @@ __global__ void __launch_bounds__(Threads)
   query_tile<Threads, Q, T> tile_of(tile_memory, cache.head_dim);
   const std::int32_t window = in.snap.window;
 
-  const std::int32_t pair = static_cast<std::int32_t>(blockIdx.x) / tiles;
-  const std::int32_t tile = static_cast<std::int32_t>(blockIdx.x) % tiles;
-  const std::int32_t entry = pair / st.num_q_heads, q = pair % st.num_q_heads, h = q / st.group_size();
-  const std::int32_t b = kvevict::detail::check_entry(active, entry, st.num_seqs()).sequence;  // repeats step nothing
-  if (b < 0 || ws.head_refused[std::int64_t{entry} * st.num_heads() + h]) return;  // the whole block
-  const std::int32_t length = prompts.lengths[b];
-  const std::int32_t first = tile * Threads;
+  const prefill_tile at(st, active, prompts, ws, tiles, true);
+  if (at.b < 0) return;  // the whole block
+  const std::int32_t pair = at.unit, entry = at.entry, q = at.q, h = at.h, b = at.b, length = at.length;
+  const std::int32_t first = at.tile * Threads;
   if (first >= length) return;  // the whole block
   const std::int32_t t = static_cast<std::int32_t>(threadIdx.x), p = first + t;
   tile_of.stage_keys(cache, b, h, first, length - first < Threads ? length - first : Threads, t);
@@ -108,13 +103,10 @@ template <int Threads>
 __global__ void __launch_bounds__(Threads)
     prefill_window_pool_kernel(batch_state_view st, active_set active, prompt_lengths prompts, snap_window snap,
                                prefill_workspace ws, std::int32_t tiles, std::uint64_t* status) {
-  const std::int32_t segment = static_cast<std::int32_t>(blockIdx.x) / tiles;
-  const std::int32_t tile = static_cast<std::int32_t>(blockIdx.x) % tiles;
-  const std::int32_t entry = segment / st.num_heads(), h = segment % st.num_heads(), g = st.group_size();
-  const std::int32_t b = kvevict::detail::check_entry(active, entry, st.num_seqs()).sequence;  // repeats step nothing
-  if (b < 0 || ws.head_refused[segment]) return;
-  const std::int32_t length = prompts.lengths[b];
-  const std::int32_t p = tile * Threads + static_cast<std::int32_t>(threadIdx.x);
+  const prefill_tile at(st, active, prompts, ws, tiles, false);
+  if (at.b < 0) return;
+  const std::int32_t segment = at.unit, entry = at.entry, h = at.h, b = at.b, length = at.length, g = st.group_size();
+  const std::int32_t p = at.tile * Threads + static_cast<std::int32_t>(threadIdx.x);
   if (p >= length) return;
   const float* group = ws.partials + (std::int64_t{entry} * st.num_q_heads + std::int64_t{h} * g) * ws.per_pair;
   const slot_increment inc = kvevict::detail::fold_window_column(

@@ -75,6 +75,26 @@ struct prefill_head {
   __device__ std::int64_t segment(const batch_state_view& st) const { return std::int64_t{entry} * st.num_heads() + h; }
 };
 
+/// The prologue of every tiled scoring kernel: blockIdx.x = unit * tiles +
+/// tile, the unit an (entry, query head) pair when `pairs`, else an (entry,
+/// KV head) segment; the sequence b (-1: the block has nothing to do, its
+/// entry steps nothing or prepare refused its head) and its prompt length.
+struct prefill_tile {
+  std::int32_t unit, tile, entry, q, h, b = -1, length = 0;
+  __device__ prefill_tile(const batch_state_view& st, const active_set& active, const prompt_lengths& prompts,
+                          const prefill_workspace& ws, std::int32_t tiles, bool pairs)
+      : unit(static_cast<std::int32_t>(blockIdx.x) / tiles), tile(static_cast<std::int32_t>(blockIdx.x) % tiles) {
+    entry = unit / (pairs ? st.num_q_heads : st.num_heads());
+    q = pairs ? unit % st.num_q_heads : -1;
+    h = pairs ? q / st.group_size() : unit % st.num_heads();
+    const std::int32_t sequence = kvevict::detail::check_entry(active, entry, st.num_seqs()).sequence;  // repeats step nothing
+    if (sequence < 0 || ws.head_refused[std::int64_t{entry} * st.num_heads() + h]) return;
+    b = sequence;
+    length = prompts.lengths[b];
+  }
+  __device__ std::int64_t segment(const batch_state_view& st) const { return std::int64_t{entry} * st.num_heads() + h; }
+};
+
 __device__ inline void mark_bad(const prefill_workspace& ws, std::int32_t entry) { atomicOr(&ws.seq_bad[entry], 1u); }
 
 /// Carves the workspace (memory null: only counts); returns the bytes.
