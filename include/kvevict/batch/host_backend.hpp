@@ -325,8 +325,11 @@ void batched_append(const batch_state_view& st, const active_set& active, const 
 }
 
 /// Observe + evict, fused, for every active (b, h): adds each occupied
-/// slot's increment from `in` (batch_probs, batch_head_scores or
-/// batch_logits) and, above the budget, frees the policy's victim.
+/// slot's increment from `in` and, above the budget, frees the policy's
+/// victim. `in`: batch_probs, batch_head_scores, batch_logits, key_norms,
+/// or the input of any rule registered as design.md ("Adding a scoring
+/// rule") says: a score_source specialization and a require_input overload
+/// that argument-dependent lookup finds (in the input's namespace).
 /// victims (optional, [B][H]): the freed slot of each stepped (b, h), or -1.
 template <class Input>
 void batched_observe_evict(const batch_state_view& st, const active_set& active, const Input& in,
@@ -337,7 +340,8 @@ void batched_observe_evict(const batch_state_view& st, const active_set& active,
   detail::require_not_null(w, "status", status);
   if (st.history.keys)  // first: exact_greedy refuses every other input, whatever its own checks would say
     detail::fail<invalid_argument>(w, "in", "is not queries + LSE, which exact_greedy needs (with the cache)");
-  detail::require_input(w, st, in);
+  using detail::require_input;  // and the overload of a rule registered elsewhere, by ADL
+  require_input(w, st, in);
   const score_source<Input> source{in, st.group_size(), st.rule.reduce};
   detail::observe_evict_all(st, active, victims, status, [&](std::int32_t b, std::int32_t h, std::int32_t& victim) {
     return detail::observe_evict_head(st, b, h, source, victim);

@@ -303,30 +303,34 @@ void host_window_prefill(const batch_state_view& st, const active_set& active, c
                reclaimable_pages, status);
 }
 
+/// The window prefill from a matrix-like source (probs, logits + LSE) with
+/// the row checks `rows`.
+template <class Source, class Rows, class T, class Layout>
+void run_window_prefill(const batch_state_view& st, const active_set& active, const prompt_lengths& prompts,
+                        const snap_window& snap, const Source& source, Rows rows, const kv_view<T, Layout>& cache,
+                        std::int32_t* reclaimable_pages, std::uint64_t* status) {
+  host_window_prefill(
+      st, active, prompts, snap,
+      [source](std::int32_t b, std::int32_t, std::int32_t q, std::int32_t length, std::int32_t i, std::int32_t p) {
+        return source.value(b, q, length, i, p);
+      },
+      rows, cache, reclaimable_pages, status);
+}
+
 template <class T, class Layout>
 void run_prefill(const batch_state_view& st, const active_set& active, const prompt_lengths& prompts,
                  const batch_window_probs& in, const kv_view<T, Layout>& cache, std::int32_t* reclaimable_pages,
                  std::uint64_t* status) {
-  const window_probs_source source{in};
-  host_window_prefill(
-      st, active, prompts, in.snap,
-      [source](std::int32_t b, std::int32_t, std::int32_t q, std::int32_t length, std::int32_t i, std::int32_t p) {
-        return source.value(b, q, length, i, p);
-      },
-      window_no_row_checks{}, cache, reclaimable_pages, status);
+  run_window_prefill(st, active, prompts, in.snap, window_probs_source{in}, window_no_row_checks{}, cache,
+                     reclaimable_pages, status);
 }
 
 template <class T, class Layout>
 void run_prefill(const batch_state_view& st, const active_set& active, const prompt_lengths& prompts,
                  const batch_window_logits& in, const kv_view<T, Layout>& cache, std::int32_t* reclaimable_pages,
                  std::uint64_t* status) {
-  const window_logits_source source{in};
-  host_window_prefill(
-      st, active, prompts, in.snap,
-      [source](std::int32_t b, std::int32_t, std::int32_t q, std::int32_t length, std::int32_t i, std::int32_t p) {
-        return source.value(b, q, length, i, p);
-      },
-      window_lse_checks{in.lse}, cache, reclaimable_pages, status);
+  run_window_prefill(st, active, prompts, in.snap, window_logits_source{in}, window_lse_checks{in.lse}, cache,
+                     reclaimable_pages, status);
 }
 
 template <class Q, class T, class Layout>

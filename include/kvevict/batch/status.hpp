@@ -124,40 +124,51 @@ inline std::string status_place(const batch_status& s, bool prefill = false) {
 
 }  // namespace detail
 
-/// Throws the library's exception for a status word that is not clear:
-/// non_finite_error, invalid_argument, out_of_range or state_error, naming
-/// the call, the sequence, head and index (or the active-list entry). A
-/// word that no call writes (0, from a word initialised to 0) throws
-/// invalid_argument naming 'status': it would have hidden every refusal.
-inline void throw_if_error(std::uint64_t word, const char* call = "batched call") {
+namespace detail {
+
+/// Throws the library's exception for a status word that is not clear, in
+/// the name of `where` (a batched call, or a per-sequence policy's call
+/// that runs the batched step); `prefill`: the call leaves a refused
+/// sequence whole.
+inline void throw_status(const site& where, std::uint64_t word, bool prefill) {
   const batch_status s = batch_status::unpack(word);
   if (s.ok()) return;
-  const detail::site where{"batch", call};
   if (s.code == batch_code::bad_status_word)
-    detail::fail<invalid_argument>(where, "status", "= ", word, ": ", describe(s.code));
-  const std::string at = detail::status_place(s, std::strstr(call, "prefill") != nullptr);
+    fail<invalid_argument>(where, "status", "= ", word, ": ", describe(s.code));
+  const std::string at = status_place(s, prefill);
   switch (s.code) {
     case batch_code::nan_input:
     case batch_code::infinite_input:
     case batch_code::non_finite_lse:
     case batch_code::non_finite_query:
     case batch_code::non_finite_kv:
-    case batch_code::score_overflow: detail::fail_state<non_finite_error>(where, at);
+    case batch_code::score_overflow: fail_state<non_finite_error>(where, at);
     case batch_code::bad_sequence:
     case batch_code::bad_stream:
     case batch_code::bad_count:
     case batch_code::bad_length:
-    case batch_code::bad_page: detail::fail_state<out_of_range>(where, at);
+    case batch_code::bad_page: fail_state<out_of_range>(where, at);
     case batch_code::no_free_slot:
     case batch_code::not_empty:
     case batch_code::over_capacity:
     case batch_code::not_observed:
     case batch_code::history_full:
     case batch_code::history_gap:
-    case batch_code::not_appended: detail::fail_state<state_error>(where, at);
+    case batch_code::not_appended: fail_state<state_error>(where, at);
     case batch_code::repeated_sequence:
-    default: detail::fail_state<invalid_argument>(where, at);
+    default: fail_state<invalid_argument>(where, at);
   }
+}
+
+}  // namespace detail
+
+/// Throws the library's exception for a status word that is not clear:
+/// non_finite_error, invalid_argument, out_of_range or state_error, naming
+/// the call, the sequence, head and index (or the active-list entry). A
+/// word that no call writes (0, from a word initialised to 0) throws
+/// invalid_argument naming 'status': it would have hidden every refusal.
+inline void throw_if_error(std::uint64_t word, const char* call = "batched call") {
+  detail::throw_status(detail::site{"batch", call}, word, std::strstr(call, "prefill") != nullptr);
 }
 
 }  // namespace kvevict

@@ -207,8 +207,9 @@ row_split default_split(const batch_state_view& st, const active_set& active) {
                     Source::min_blocks);
 }
 
-/// Observe + evict from batch_probs, batch_head_scores or batch_logits with
-/// a given split (see launch_observe_evict).
+/// Observe + evict from batch_probs, batch_head_scores, batch_logits,
+/// key_norms or a registered rule's input with a given split (see
+/// launch_observe_evict).
 template <class Input>
 cudaError_t observe_evict_split(const batch_state_view& st, const active_set& active, const Input& in,
                                 std::int32_t* victims, std::uint64_t* status, cudaStream_t stream,
@@ -217,7 +218,8 @@ cudaError_t observe_evict_split(const batch_state_view& st, const active_set& ac
   require_common(w, st, active, status);
   if (st.history.keys)  // first: exact_greedy refuses every other input, whatever its own checks would say
     kvevict::detail::fail<invalid_argument>(w, "in", "is not queries + LSE, which exact_greedy needs (with the cache)");
-  kvevict::detail::require_input(w, st, in);
+  using kvevict::detail::require_input;  // and the overload of a rule registered elsewhere, by ADL
+  require_input(w, st, in);
   return launch_observe_evict(st, active, score_source<Input>{in, st.group_size(), st.rule.reduce}, victims, status,
                               stream, split);
 }

@@ -58,7 +58,7 @@ class exact_greedy_policy : public policy_base<exact_greedy_policy> {
         [&](std::int32_t h, std::int32_t& victim) {
           return detail::exact_greedy_head(state(), b, h, queries, view, victim);
         },
-        [&](std::uint64_t word) { throw_if_error(word, "observe"); });
+        [&](std::uint64_t word) { detail::throw_status(w, word, false); });
     for (std::int32_t h = 0; h < shape().num_kv_heads; ++h) detail::commit_history(state(), b, h);
     keep_queries(b, in);
   }

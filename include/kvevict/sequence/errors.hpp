@@ -52,7 +52,7 @@ template <class Source, class FailElement>
                                      " updated by increment ", inc, " overflows");
     }
   }
-  throw_if_error(word, w.function);
+  throw_status(w, word, false);  // what no element explains (a page outside the pool: the argument checks catch it)
   fail_state<invalid_argument>(w, "the step was refused");  // not reached: a refusal has a word
 }
 
@@ -71,7 +71,7 @@ template <class Column>
     case batch_code::non_finite_kv: column(s.head, s.index); break;
     default: break;
   }
-  throw_if_error(word, w.function);
+  throw_status(w, word, true);
   fail_state<invalid_argument>(w, "the prompt was refused");  // not reached
 }
 

@@ -98,6 +98,23 @@ class sequence_observe : public sequence_protocol {
     });
   }
 
+  /// Any other decode input the batched backend takes through a
+  /// score_source (a rule registered there once: its score_source and its
+  /// require_input; design.md, "Adding a scoring rule"): the batched
+  /// argument checks, then the backend's step of every head. A refused
+  /// slot is named by the status word's (sequence, head, slot, code).
+  template <class Input, class = decltype(score_source<Input>::items)>
+  void observe(std::int32_t b, const Input& in) {
+    const site w = where("observe");
+    require_observable(w, b);
+    using detail::require_input;  // and the overload of a rule registered elsewhere, by ADL
+    require_input(w, state(), in);
+    const score_source<Input> source{in, shape_.group_size(), rule().reduce};
+    observe_source(w, b, source, "in", [&](std::int32_t h, std::int32_t s, const slot_increment& inc) {
+      throw_status(w, pack_status(b, h, s, inc.code), false);
+    });
+  }
+
  protected:
   using sequence_protocol::sequence_protocol;
 

@@ -356,7 +356,7 @@ class sequence_protocol {
         state(), b, &status, [](std::int32_t) { return true; },
         [&](std::int32_t seq, std::int32_t h, auto mapped) { return evict_to_problem(state(), seq, h, target, mapped); },
         victims_of, on_move, [&](std::int32_t h, const evict_to_result& r) { results_[std::size_t(h)] = r; });
-    throw_if_error(status, "evict_to");  // not reached: every refusal was checked above
+    throw_status(where("evict_to"), status, false);  // not reached: every refusal was checked above
     forget_step(b);
     return results_.back().freed;
   }
