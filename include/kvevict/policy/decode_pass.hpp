@@ -1,9 +1,13 @@
 #pragma once
-// The host's decode hot path over one (sequence, KV head): loops over the
-// occupied width that compilers vectorise. They make the same decisions, bit
-// for bit, as the scalar rules of decode_rules.hpp (fold_group, pick_victim),
-// which stay the definition: validation here is one reduction per row, and
-// the callers go back to the scalar, naming path only when it fails.
+// The row form of the decode rules for the host's hot path (the batched host
+// backend's observe + evict, which both host APIs run): loops over the
+// occupied width that compilers vectorise, a row of slots at a time where
+// the rules of decode_rules.hpp (fold_step, pick_victim) go a slot at a
+// time. The fold's arithmetic is theirs; the victim search is the same
+// minimum, for the rules whose key is the score or the position. They
+// decide bit for bit as the slot form (test_decode_rules), which stays the
+// definition: validation here is one reduction per row, and the caller goes
+// back to the slot form, which names the problem, only when it fails.
 //
 // Slots hold position -1 when free; columns of free slots may hold anything
 // (engines leave garbage there) and are masked, never trusted.
@@ -48,11 +52,10 @@ bool fold_and_add_pass(RowOf rows, float decay, const float* score, const std::i
     for (std::int32_t j = 0; j < G; ++j) {
       const float v = x[j][s];
       wrong |= not_probability(v);
-      if constexpr (Reduce == group_reduce::max) acc = v > acc ? v : acc;
-      else acc = add(acc, v);
+      acc = fold_step(Reduce, acc, v);  // Reduce is a constant: no branch is left
     }
-    if constexpr (Reduce == group_reduce::mean) acc = div(acc, static_cast<float>(G));
-    // Finite elements can sum past FLT_MAX (reduce_groups names the group).
+    acc = fold_end(Reduce, acc, G);
+    // Finite elements can sum past FLT_MAX (the slot form names the group).
     if constexpr (Reduce != group_reduce::max) wrong |= std::uint32_t(acc > kMax);
     const std::uint32_t occupied = positions[s] >= 0;
     const float v = updated_score(decay, score[s], occupied ? acc : 0.0f);  // next_scores' rule
@@ -87,13 +90,11 @@ bool fold_rows_any(RowOf rows, std::int32_t g, group_reduce reduce, const std::i
     for (std::int32_t s = 0; s < width; ++s) {
       const float v = x[s], acc = j == 0 ? 0.0f : out[s];
       bad |= std::uint32_t(positions[s] >= 0) & not_probability(v);
-      out[s] = reduce == group_reduce::max ? (v > acc ? v : acc) : add(acc, v);
+      out[s] = fold_step(reduce, acc, v);
     }
   }
-  if (reduce == group_reduce::mean) {
-    const float n = static_cast<float>(g);
-    for (std::int32_t s = 0; s < width; ++s) out[s] = div(out[s], n);
-  }
+  if (reduce == group_reduce::mean)
+    for (std::int32_t s = 0; s < width; ++s) out[s] = fold_end(reduce, out[s], g);
   for (std::int32_t s = 0; s < width; ++s) bad |= std::uint32_t(positions[s] >= 0) & std::uint32_t(out[s] > kMax);
   return bad == 0;
 }
@@ -139,15 +140,14 @@ bool fold_and_add_probability_rows(RowOf rows, std::int32_t g, group_reduce redu
   }
 }
 
-/// score[s] = next[s] for s < width (next from next_scores; may be score),
-/// and the victim among the occupied slots [0, width) by `rule` (lowest_score
+/// The victim among the occupied slots [0, width) by `rule` (lowest_score
 /// or oldest; not random_priority) when the newest position is length - 1: the
 /// slot pick_victim returns, or -1 when every occupied token is protected.
-/// Scores are finite here, so float order is the eviction_key order (-0 and
-/// +0 tie there too); ties go to the lowest position, which is unique.
-inline std::int32_t commit_and_find_victim(const decode_rule& rule, const float* next, float* score,
-                                           const std::int32_t* positions, std::int32_t width,
-                                           std::int32_t length) noexcept {
+/// Scores are finite here (committed or staged scores are), so float order
+/// is the eviction_key order (-0 and +0 tie there too); ties go to the
+/// lowest position, which is unique.
+inline std::int32_t find_victim(const decode_rule& rule, const float* score, const std::int32_t* positions,
+                                std::int32_t width, std::int32_t length) noexcept {
   constexpr float kInf = std::numeric_limits<float>::infinity();
   constexpr std::int32_t kNone = std::numeric_limits<std::int32_t>::max();
   // Unprotected and occupied: sinks <= p < length - recent (p = -1 fails the first when sinks = 0 too).
@@ -166,8 +166,7 @@ inline std::int32_t commit_and_find_victim(const decode_rule& rule, const float*
   for (; s < full; s += 4) {
     const __m128i p = _mm_loadu_si128(reinterpret_cast<const __m128i*>(positions + s));
     const __m128 candidate = _mm_castsi128_ps(_mm_and_si128(_mm_cmpgt_epi32(p, lo4), _mm_cmplt_epi32(p, hi4)));
-    const __m128 v = _mm_loadu_ps(next + s);
-    _mm_storeu_ps(score + s, v);
+    const __m128 v = _mm_loadu_ps(score + s);
     const __m128 key = _mm_and_ps(v, score_mask);  // oldest: every key 0
     low4 = _mm_min_ps(low4, _mm_or_ps(_mm_and_ps(candidate, key), _mm_andnot_ps(candidate, _mm_set1_ps(kInf))));
   }
@@ -177,7 +176,6 @@ inline std::int32_t commit_and_find_victim(const decode_rule& rule, const float*
 #endif
   for (std::int32_t t = s; t < width; ++t) {
     const std::int32_t p = positions[t];
-    score[t] = next[t];
     const float key = by_score ? score[t] : 0.0f;
     if (p >= lo && p < hi && key < lowest) lowest = key;
   }
@@ -207,12 +205,6 @@ inline std::int32_t commit_and_find_victim(const decode_rule& rule, const float*
     }
   }
   return victim;
-}
-
-/// The victim by `rule` over scores already committed.
-inline std::int32_t find_victim(const decode_rule& rule, float* score, const std::int32_t* positions,
-                                std::int32_t width, std::int32_t length) noexcept {
-  return commit_and_find_victim(rule, score, score, positions, width, length);
 }
 
 }  // namespace detail

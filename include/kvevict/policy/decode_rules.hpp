@@ -114,6 +114,17 @@ KVEVICT_HOST_DEVICE inline batch_code classify_input(float x, bool probability) 
   return batch_code::ok;
 }
 
+/// The group fold's arithmetic, one value at a time in ascending q: sum
+/// and mean add from +0 (each sum rounded to float), max keeps the larger
+/// from 0; mean divides by g at the end. Every form of the fold (group_fold
+/// here, the host's row form in decode_pass.hpp, the kernels) runs these.
+KVEVICT_HOST_DEVICE inline float fold_step(group_reduce reduce, float acc, float x) noexcept {
+  return reduce == group_reduce::max ? (x > acc ? x : acc) : detail::add(acc, x);
+}
+KVEVICT_HOST_DEVICE inline float fold_end(group_reduce reduce, float acc, std::int32_t g) noexcept {
+  return reduce == group_reduce::mean ? detail::div(acc, static_cast<float>(g)) : acc;
+}
+
 /// One slot's fold over the query heads of a group, value by value in
 /// ascending q: sum, mean (the sum divided by g at the end) or max, in float
 /// from +0; the first value that is not a usable input (finite; not negative
@@ -131,13 +142,13 @@ struct group_fold {
       code = c;
       query = q;
     }
-    acc = reduce == group_reduce::max ? (x > acc ? x : acc) : detail::add(acc, x);
+    acc = fold_step(reduce, acc, x);
   }
   KVEVICT_HOST_DEVICE slot_increment finish(group_reduce reduce, std::int32_t g) const noexcept {
     slot_increment out;
     out.code = code;
     out.query = query;
-    if (code == batch_code::ok) out.value = reduce == group_reduce::mean ? detail::div(acc, static_cast<float>(g)) : acc;
+    if (code == batch_code::ok) out.value = fold_end(reduce, acc, g);
     return out;
   }
 };
