@@ -983,6 +983,13 @@ void check_exact_greedy(fixture<kv::exact_greedy_policy, T, Layout>& fx) {
 
   CHECK_REJECTED(snap, kv::state_error, ("sequence 0", "not observed"), [&] { policy.evict(0); });
   CHECK_REJECTED(snap, kv::out_of_range, ("'sequence'", "= 3"), [&] { policy.evict(kSeqs); });
+  // Regression (fuzz/regressions/fuzz_policy_api/greedy_evict_to_bad_sequence):
+  // evict_to read the sequence's kept queries before checking the index.
+  std::vector<kv::slot_move> moves(std::size_t(kKvHeads) * kCap);
+  std::vector<std::int32_t> move_counts(static_cast<std::size_t>(kKvHeads));
+  CHECK_REJECTED(snap, kv::out_of_range, ("'sequence'", "= 3"),
+                 [&] { policy.evict_to(kSeqs, kBudget, moves.data(), move_counts.data()); });
+  CHECK_REJECTED(snap, kv::out_of_range, ("'sequence'", "= -1"), [&] { policy.evict_to(-1, kBudget, fx.view()); });
   CHECK_REJECTED(snap, kv::state_error, ("sequence 2", "append"), [&] { policy.observe(2, good.input(), fx.view()); });
   {
     query_data<T> qd = good;

@@ -101,13 +101,13 @@ class exact_greedy_policy : public policy_base<exact_greedy_policy> {
   /// same set to the same bits: the first victim is evict's.
   template <class T, class Layout>
   std::int32_t evict_to(std::int32_t b, std::int32_t target, const kv_view<T, Layout>& view) {
-    const batch_queries<float> queries = kept_queries(b);
+    const batch_queries<float> queries = kept_queries(where("evict_to"), b);
     return evict_to_rows(b, target, view, [&](std::int32_t seq, std::int32_t h) {
       return detail::greedy_victims(state(), seq, h, target, queries);
     });
   }
   std::int32_t evict_to(std::int32_t b, std::int32_t target, slot_move* moves, std::int32_t* move_counts) {
-    const batch_queries<float> queries = kept_queries(b);
+    const batch_queries<float> queries = kept_queries(where("evict_to"), b);
     return evict_to_moves(b, target, moves, move_counts, [&](std::int32_t seq, std::int32_t h) {
       return detail::greedy_victims(state(), seq, h, target, queries);
     });
@@ -155,7 +155,8 @@ class exact_greedy_policy : public policy_base<exact_greedy_policy> {
       for (std::int32_t i = 0; i < d; ++i) queries_[(std::size_t(b) * hq + q) * d + i] = to_float(in.q(q, i));
     scales_[std::size_t(b)] = in.scale;
   }
-  batch_queries<float> kept_queries(std::int32_t b) const {
+  batch_queries<float> kept_queries(const detail::site& w, std::int32_t b) const {
+    detail::require_index(w, "sequence", b, shape().num_seqs);  // before reading b's scale
     const std::int32_t d = state().history.head_dim;
     batch_queries<float> in;
     in.q = make_tensor_view<const float>(queries_.data(), shape().num_seqs, shape().num_q_heads, d);
