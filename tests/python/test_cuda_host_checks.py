@@ -35,8 +35,9 @@ def test_inputs_are_checked_before_a_launch():
     desc, state = fake_state(kv.H2OConfig(3, 2))
     with pytest.raises(kv.InvalidArgument, match=r"kvevict::cuda::observe_evict: argument 'probs.extents\[1\]' = 3, expected 4"):
         _ext.observe_evict(desc, state, 0, FakeCudaArray((B, 3, C)), None, 1.0, 0, None)
-    with pytest.raises(kv.InvalidArgument, match=r"argument 'probs.extents\[2\]' = 5, expected at least 6"):
-        _ext.observe_evict(desc, state, 0, FakeCudaArray((B, HQ, 5)), None, 1.0, 0, None)
+    # a narrower input is checked per (b, h) against the head's count, on the device (semantics, "Input width")
+    with pytest.raises(kv.InvalidArgument, match=r"argument 'probs.extents\[2\]' = 0, expected at least 1"):
+        _ext.observe_evict(desc, state, 0, FakeCudaArray((B, HQ, 0)), None, 1.0, 0, None)
     with pytest.raises(kv.InvalidArgument, match=r"argument 'scale' = -1 must be finite and positive"):
         _ext.observe_evict(desc, state, 2, FakeCudaArray((B, HQ, C)), FakeCudaArray((B, HQ)), -1.0, 0, None)
     k, v = fake_cache()

@@ -87,7 +87,11 @@ def test_wrong_rank_and_extents():
                      lambda: policy.observe_evict(probs=ok[0]))
     raises_unchanged(policy, cache, kv.InvalidArgument, r"'probs.extents\[1\]' = 3, expected 4",
                      lambda: policy.observe_evict(probs=ok[:, :3]))
-    raises_unchanged(policy, cache, kv.InvalidArgument, r"'probs.extents\[2\]' = 5, expected at least 6",
+    raises_unchanged(policy, cache, kv.InvalidArgument, r"'probs.extents\[2\]' = 0, expected at least 1",
+                     lambda: policy.observe_evict(probs=ok[:, :, :0]))
+    # every head holds 6 tokens: a 5-column input is refused per (b, h), each head left as it was
+    raises_unchanged(policy, cache, kv.InvalidArgument,
+                     r"at sequence 0, head 0, index 6 \(the tokens the head holds\): the input has fewer columns than the head holds tokens",
                      lambda: policy.observe_evict(probs=ok[:, :, :5]))
     raises_unchanged(policy, cache, kv.InvalidArgument, r"'lse.extents\[1\]'",
                      lambda: policy.observe_evict(logits=ok, lse=np.zeros((B, 3), np.float32)))

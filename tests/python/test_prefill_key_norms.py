@@ -295,7 +295,7 @@ def test_argument_errors():
     np.testing.assert_array_equal(policy.state, state)
     greedy = kv.BatchedPolicy(kv.ExactGreedyConfig(4, 1, 1), B, H, 8, max_tokens=16, head_dim=D)
     state = greedy.state.copy()
-    with pytest.raises(kv.InvalidArgument, match=r"batched prefill of exact_greedy is not supported"):
+    with pytest.raises(kv.InvalidArgument, match=r"belongs to exact_greedy \(it has a history\): its prefill is the greedy removal judged with the last prompt row.s queries"):
         greedy.prefill_key_norms([7, 5, 8, 6], cache=cache.view)
     np.testing.assert_array_equal(greedy.state, state)
 

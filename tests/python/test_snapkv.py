@@ -466,7 +466,7 @@ def test_only_a_policy_that_keeps_by_score_takes_it():
         assert (single.positions() == -1).all()
     greedy = kv.BatchedPolicy(kv.ExactGreedyConfig(4, 1, 1), B, H, 12, max_tokens=16, head_dim=D)
     state = greedy.state.copy()
-    with pytest.raises(kv.InvalidArgument, match=r"batched prefill of exact_greedy is not supported"):
+    with pytest.raises(kv.InvalidArgument, match=r"belongs to exact_greedy \(it has a history\): its prefill is the greedy removal judged with the last prompt row.s queries"):
         greedy.prefill_snapkv(lengths, cache=cache.view, snap=snap, probs=probs)
     np.testing.assert_array_equal(greedy.state, state)
     # TOVA and key-norm configurations keep by score: accepted
