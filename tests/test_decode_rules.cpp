@@ -337,6 +337,9 @@ TEST_CASE("decode_pass: the vectorised fold, decayed add and victim search decid
       rule.protect = {std::int32_t(rng() % 3), std::int32_t(rng() % 4)};
       const std::int32_t expected = pick_victim(rule, pos.data(), next.data(), width, length, 0, 0);
       CHECK(detail::find_victim(rule, next.data(), pos.data(), width, length) == expected);
+      std::vector<float> committed = score;
+      CHECK(detail::commit_and_find_victim(rule, next.data(), committed.data(), pos.data(), width, length) == expected);
+      CHECK(std::memcmp(committed.data(), next.data(), sizeof(float) * std::size_t(width)) == 0);
       ++trials;
     }
     score = next;

@@ -67,23 +67,33 @@ bool row_scores(const Source&, std::int32_t, std::int32_t, float, const float*, 
   return false;  // logits and queries: an exponential per slot, the per-slot path
 }
 
-/// Observe + evict of one (b, h) for the score-based policies.
+/// What observe_evict_head reports for a row whose victim the commit finds
+/// while it copies the staged scores back (commit_and_find_victim).
+inline constexpr std::int32_t victim_at_commit = -2;
+
+/// Observe + evict of one (b, h) for the score-based policies: the updated
+/// scores of slots [0, count) into the spare buffer, which the commit makes
+/// current, and the victim (-1: none). The per-sequence policies pass
+/// `staged`, a hot scratch row of theirs, instead; a row the vectorised
+/// path scored then reports victim_at_commit (for the rules whose key is
+/// the score or the position), and their commit copies the row back and
+/// finds its victim in one pass.
 template <class Source>
 std::uint64_t observe_evict_head(const batch_state_view& st, std::int32_t b, std::int32_t h, const Source& source,
-                                 std::int32_t& victim) {
+                                 std::int32_t& victim, float* staged = nullptr) {
   const std::uint64_t head = check_observe_head(st, source, b, h);
   if (head != batch_status_clear) return head;
   const std::int64_t bh = st.head_index(b, h);
   const std::int32_t count = st.slots.counts[bh], length = st.slots.lengths[b];  // occupied: exactly [0, count)
   const std::int32_t* positions = st.slots.positions_of(b, h);
   const float* current = st.scores_of(b, h);
-  float* updated = st.spare_scores_of(b, h);
+  float* updated = staged ? staged : st.spare_scores_of(b, h);
   // The hot path: whole rows, checked by reductions, bit for bit the per-slot rules.
   if (row_scores(source, b, h, st.rule.decay, current, positions, count, updated)) {
     if (count <= st.rule.budget) victim = -1;
     else if (st.rule.victim == victim_rule::random_priority)
       victim = pick_victim(st.rule, positions, updated, count, length, st.stream_of(b), h);
-    else victim = find_victim(st.rule, updated, positions, count, length);
+    else victim = staged ? victim_at_commit : find_victim(st.rule, updated, positions, count, length);
     return batch_status_clear;
   }
   // Slot by slot, as the kernels do: the first problem is the lowest slot's.
@@ -146,7 +156,8 @@ std::uint64_t query_problem(const batch_state_view& st, std::int32_t b, std::int
 /// kernel's order: history, queries, pages of the new rows, their values.
 template <class Q, class T, class Layout>
 std::uint64_t exact_greedy_head(const batch_state_view& st, std::int32_t b, std::int32_t h,
-                                const batch_queries<Q>& in, const kv_view<T, Layout>& cache, std::int32_t& victim) {
+                                const batch_queries<Q>& in, const kv_view<T, Layout>& cache, std::int32_t& victim,
+                                float* staged = nullptr) {
   const history_view& hv = st.history;
   const std::int64_t bh = st.head_index(b, h);
   const std::int32_t d = hv.head_dim, length = st.slots.lengths[b];
@@ -182,7 +193,7 @@ std::uint64_t exact_greedy_head(const batch_state_view& st, std::int32_t b, std:
   if (non_finite >= 0) return pack_status(b, h, non_finite, batch_code::non_finite_kv);
   double* errors = leave_one_out_slot_errors(st, bh);
   group_leave_one_out(st, b, h, in, positions, count, length, errors);  // a prefix: member i is slot i
-  float* updated = st.spare_scores_of(b, h);
+  float* updated = staged ? staged : st.spare_scores_of(b, h);  // as observe_evict_head
   for (std::int32_t s = 0; s < count; ++s) updated[s] = static_cast<float>(errors[s]);
   victim = count > st.rule.budget
                ? pick_victim(st.rule, positions, updated, count, length, std::uint64_t(b), h)
@@ -201,11 +212,12 @@ inline void commit_history(const batch_state_view& st, std::int32_t b, std::int3
 /// observe + evict of the scores against it.
 template <class T, class Layout>
 std::uint64_t key_diff_head(const batch_state_view& st, std::int32_t b, std::int32_t h,
-                            const score_source<key_diff<T, Layout>>& source, std::int32_t& victim) {
+                            const score_source<key_diff<T, Layout>>& source, std::int32_t& victim,
+                            float* staged = nullptr) {
   const std::int64_t bh = st.head_index(b, h);
   refresh_key_anchor(st.anchors, source.in.cache, b, h, st.slots.positions_of(b, h),
                      occupied_end(st.slots.counts[bh], st.slots.next_slots[bh]), st.slots.lengths[b]);
-  return observe_evict_head(st, b, h, source, victim);
+  return observe_evict_head(st, b, h, source, victim, staged);
 }
 
 /// Append of sequence b: its next position goes to every head's next slot

@@ -140,14 +140,17 @@ bool fold_and_add_probability_rows(RowOf rows, std::int32_t g, group_reduce redu
   }
 }
 
-/// The victim among the occupied slots [0, width) by `rule` (lowest_score
-/// or oldest; not random_priority) when the newest position is length - 1: the
-/// slot pick_victim returns, or -1 when every occupied token is protected.
-/// Scores are finite here (committed or staged scores are), so float order
-/// is the eviction_key order (-0 and +0 tie there too); ties go to the
-/// lowest position, which is unique.
-inline std::int32_t find_victim(const decode_rule& rule, const float* score, const std::int32_t* positions,
-                                std::int32_t width, std::int32_t length) noexcept {
+/// The victim among the occupied slots [0, width) of the scores `next` by
+/// `rule` (lowest_score or oldest; not random_priority) when the newest
+/// position is length - 1: the slot pick_victim returns, or -1 when every
+/// occupied token is protected. With Copy, the same pass copies next into
+/// `score` (staged scores committed while they are searched). Scores are
+/// finite here (staged or committed scores are), so float order is the
+/// eviction_key order (-0 and +0 tie there too); ties go to the lowest
+/// position, which is unique.
+template <bool Copy>
+std::int32_t row_victim(const decode_rule& rule, const float* next, float* score, const std::int32_t* positions,
+                        std::int32_t width, std::int32_t length) noexcept {
   constexpr float kInf = std::numeric_limits<float>::infinity();
   constexpr std::int32_t kNone = std::numeric_limits<std::int32_t>::max();
   // Unprotected and occupied: sinks <= p < length - recent (p = -1 fails the first when sinks = 0 too).
@@ -166,7 +169,8 @@ inline std::int32_t find_victim(const decode_rule& rule, const float* score, con
   for (; s < full; s += 4) {
     const __m128i p = _mm_loadu_si128(reinterpret_cast<const __m128i*>(positions + s));
     const __m128 candidate = _mm_castsi128_ps(_mm_and_si128(_mm_cmpgt_epi32(p, lo4), _mm_cmplt_epi32(p, hi4)));
-    const __m128 v = _mm_loadu_ps(score + s);
+    const __m128 v = _mm_loadu_ps(next + s);
+    if constexpr (Copy) _mm_storeu_ps(score + s, v);
     const __m128 key = _mm_and_ps(v, score_mask);  // oldest: every key 0
     low4 = _mm_min_ps(low4, _mm_or_ps(_mm_and_ps(candidate, key), _mm_andnot_ps(candidate, _mm_set1_ps(kInf))));
   }
@@ -176,7 +180,8 @@ inline std::int32_t find_victim(const decode_rule& rule, const float* score, con
 #endif
   for (std::int32_t t = s; t < width; ++t) {
     const std::int32_t p = positions[t];
-    const float key = by_score ? score[t] : 0.0f;
+    if constexpr (Copy) score[t] = next[t];
+    const float key = by_score ? next[t] : 0.0f;
     if (p >= lo && p < hi && key < lowest) lowest = key;
   }
   if (lowest == kInf) return -1;
@@ -187,7 +192,7 @@ inline std::int32_t find_victim(const decode_rule& rule, const float* score, con
   for (; s < full; s += 4) {
     const __m128i p = _mm_loadu_si128(reinterpret_cast<const __m128i*>(positions + s));
     const __m128 candidate = _mm_castsi128_ps(_mm_and_si128(_mm_cmpgt_epi32(p, lo4), _mm_cmplt_epi32(p, hi4)));
-    const __m128 at_lowest = _mm_or_ps(_mm_cmpeq_ps(_mm_loadu_ps(score + s), lowest4), _mm_andnot_ps(score_mask, candidate));
+    const __m128 at_lowest = _mm_or_ps(_mm_cmpeq_ps(_mm_loadu_ps(next + s), lowest4), _mm_andnot_ps(score_mask, candidate));
     for (int m = _mm_movemask_ps(_mm_and_ps(candidate, at_lowest)); m != 0; m &= m - 1) {
       const std::int32_t t = s + __builtin_ctz(static_cast<unsigned>(m));
       if (positions[t] < oldest) {
@@ -199,12 +204,25 @@ inline std::int32_t find_victim(const decode_rule& rule, const float* score, con
 #endif
   for (std::int32_t t = s; t < width; ++t) {
     const std::int32_t p = positions[t];
-    if (p >= lo && p < hi && p < oldest && (!by_score || score[t] == lowest)) {
+    if (p >= lo && p < hi && p < oldest && (!by_score || next[t] == lowest)) {
       oldest = p;
       victim = t;
     }
   }
   return victim;
+}
+
+/// The victim of row_victim over scores as they are.
+inline std::int32_t find_victim(const decode_rule& rule, const float* score, const std::int32_t* positions,
+                                std::int32_t width, std::int32_t length) noexcept {
+  return row_victim<false>(rule, score, nullptr, positions, width, length);
+}
+
+/// score = next for [0, width) and the victim of next, in one pass.
+inline std::int32_t commit_and_find_victim(const decode_rule& rule, const float* next, float* score,
+                                           const std::int32_t* positions, std::int32_t width,
+                                           std::int32_t length) noexcept {
+  return row_victim<true>(rule, next, score, positions, width, length);
 }
 
 }  // namespace detail

@@ -55,8 +55,8 @@ class exact_greedy_policy : public policy_base<exact_greedy_policy> {
     const batch_queries<Q> queries = as_batch(in, shape().num_seqs);
     observe_heads(
         b,
-        [&](std::int32_t h, std::int32_t& victim) {
-          return detail::exact_greedy_head(state(), b, h, queries, view, victim);
+        [&](std::int32_t h, std::int32_t& victim, float* staged) {
+          return detail::exact_greedy_head(state(), b, h, queries, view, victim, staged);
         },
         [&](std::uint64_t word) { detail::throw_status(w, word, false); });
     for (std::int32_t h = 0; h < shape().num_kv_heads; ++h) detail::commit_history(state(), b, h);

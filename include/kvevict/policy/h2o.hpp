@@ -63,7 +63,9 @@ class h2o_policy : public policy_base<h2o_policy> {
     const score_source<key_diff<T, Layout>> source{in, state().anchors};
     observe_heads(
         b,
-        [&](std::int32_t h, std::int32_t& victim) { return detail::key_diff_head(state(), b, h, source, victim); },
+        [&](std::int32_t h, std::int32_t& victim, float* staged) {
+          return detail::key_diff_head(state(), b, h, source, victim, staged);
+        },
         [&](std::uint64_t word) {
           detail::fail_decode_step(
               w, state(), b, source, "||cache.k||",

@@ -131,7 +131,10 @@ class sequence_observe : public sequence_protocol {
   template <class Source, class FailElement>
   void observe_source(const site& w, std::int32_t b, const Source& source, const char* arg, FailElement fail_element) {
     observe_heads(
-        b, [&](std::int32_t h, std::int32_t& victim) { return observe_evict_head(state(), b, h, source, victim); },
+        b,
+        [&](std::int32_t h, std::int32_t& victim, float* staged) {
+          return observe_evict_head(state(), b, h, source, victim, staged);
+        },
         [&](std::uint64_t word) { fail_decode_step(w, state(), b, source, arg, fail_element, word); });
   }
 };

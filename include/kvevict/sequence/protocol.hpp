@@ -233,6 +233,7 @@ class sequence_protocol {
     victims_found_.assign(std::size_t(shape.num_seqs), 0);
     anchor_follows_.assign(std::size_t(shape.num_seqs), 0);
     victims_.assign(std::size_t(shape.num_kv_heads), -1);
+    staged_.assign(std::size_t(shape.num_kv_heads) * std::size_t(shape.capacity), 0.0f);
     results_.assign(std::size_t(shape.num_kv_heads), evict_to_result{});
   }
 
@@ -273,23 +274,37 @@ class sequence_protocol {
     return [](std::int32_t, std::int32_t) { return true; };
   }
 
-  /// The observation of sequence b's step, once head_step(h, victim) has
-  /// decided every head (without a commit) and none was refused: the
-  /// scores become current, the victims wait for evict. A refused head's
-  /// status word goes to fail(word), which throws.
+  /// The observation of sequence b's step, once head_step(h, victim,
+  /// staged) has decided every head (its new scores into the row `staged`
+  /// of a scratch the policy keeps hot, nothing committed) and none was
+  /// refused: the scores are copied back into the current buffer (a row
+  /// the step just read, still in cache: staging in the spare buffer would
+  /// cost a cold row's read-for-ownership per head), the row's victim found
+  /// in the same pass where the step left it to the commit, and the
+  /// victims wait for evict. A refused head's status word goes to
+  /// fail(word), which throws. Observe runs after an append: the occupied
+  /// slots are [0, count).
   template <class HeadStep, class Fail>
   void observe_heads(std::int32_t b, HeadStep head_step, Fail fail) {
     const batch_state_view& st = state();
+    const std::size_t cap = std::size_t(shape_.capacity);
     for (std::int32_t h = 0; h < shape_.num_kv_heads; ++h) {
       std::int32_t victim = -1;
-      const std::uint64_t word = head_step(h, victim);
+      const std::uint64_t word = head_step(h, victim, staged_.data() + std::size_t(h) * cap);
       if (word != batch_status_clear) fail(word);
       victims_[std::size_t(h)] = victim;
     }
     for (std::int32_t h = 0; h < shape_.num_kv_heads; ++h) {
       const std::int64_t bh = st.head_index(b, h);
-      commit_observed_scores(st, bh, st.score_buffer[bh]);
-      found_victims_[std::size_t(bh)] = victims_[std::size_t(h)];
+      const float* staged = staged_.data() + std::size_t(h) * cap;
+      std::int32_t victim = victims_[std::size_t(h)];
+      if (victim == victim_at_commit)
+        victim = commit_and_find_victim(st.rule, staged, st.scores_of(b, h), st.slots.positions_of(b, h),
+                                        st.slots.counts[bh], st.slots.lengths[b]);
+      else
+        std::copy_n(staged, st.slots.counts[bh], st.scores_of(b, h));
+      st.appended[bh] = 0;
+      found_victims_[std::size_t(bh)] = victim;
     }
     victims_found_[std::size_t(b)] = 1;
   }
@@ -368,6 +383,7 @@ class sequence_protocol {
   std::vector<std::uint8_t> victims_found_;   // [B]: 1 while found_victims_ of b is current
   std::vector<std::uint8_t> anchor_follows_;  // [B]: KeyDiff's observe took b's victims out of the anchors
   std::vector<std::int32_t> victims_;         // [Hkv]: scratch of one call
+  std::vector<float> staged_;                 // [Hkv][capacity]: observe's new scores until committed
   std::vector<evict_to_result> results_;      // [Hkv]: evict_to's per head
 };
 
