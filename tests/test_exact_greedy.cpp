@@ -3,7 +3,9 @@
 // (O(|G|^2 * head_dim) per step) and compare it with attention over the
 // whole history. The library must evict the argmin, on random streams for
 // every dtype x layout x GQA group, and, from the same cache state, never
-// cause a larger step error than h2o's choice.
+// cause a larger step error than h2o's choice. The same streams run through
+// the per-sequence API and through the batched one (one batched prefill of
+// every prompt, then ragged decode steps), each against the reference.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -395,10 +397,11 @@ struct greedy_stream {
     return out;
   }
 
-  template <class View>
-  void write_token(const View& view, std::int32_t b, std::int32_t pos, const std::int32_t* slots) {
-    const std::vector<T> k = random_rows(heads), v = random_rows(heads);
-    scatter(view, b, slots, make_tensor_view<const T>(k.data(), heads, d), make_tensor_view<const T>(v.data(), heads, d));
+  /// Draws one token's K/V rows for every head of sequence b at position
+  /// `pos` and records them in the reference; the caller writes them.
+  void draw_token(std::int32_t b, std::int32_t pos, std::vector<T>& k, std::vector<T>& v) {
+    k = random_rows(heads);
+    v = random_rows(heads);
     for (std::int32_t h = 0; h < heads; ++h) {
       auto& kr = keys[std::size_t(b * heads + h)][pos];
       auto& vr = values[std::size_t(b * heads + h)][pos];
@@ -410,15 +413,33 @@ struct greedy_stream {
     }
   }
 
+  template <class View>
+  void write_token(const View& view, std::int32_t b, std::int32_t pos, const std::int32_t* slots) {
+    std::vector<T> k, v;
+    draw_token(b, pos, k, v);
+    scatter(view, b, slots, make_tensor_view<const T>(k.data(), heads, d), make_tensor_view<const T>(v.data(), heads, d));
+  }
+
+  /// The engine writes prompt position p of sequence b into slot p.
+  template <class View>
+  void write_prompt(const View& view, std::int32_t b, std::int32_t len) {
+    for (std::int32_t p = 0; p < len; ++p) {
+      std::vector<std::int32_t> slots(static_cast<std::size_t>(heads), p);
+      write_token(view, b, p, slots.data());
+    }
+  }
+
   // Per (b, h): h2o scores accumulated along the greedy trajectory.
   std::vector<std::map<std::int32_t, float>> h2o_scores;
 
-  template <class View>
-  void check_cache(const View& view, const exact_greedy_policy& policy, std::int32_t b) {
+  /// The library's kept positions and key rows equal the reference's;
+  /// position_at(h, slot) reads the library's slot table of sequence b.
+  template <class View, class PositionAt>
+  void check_cache(const View& view, std::int32_t b, PositionAt position_at) {
     for (std::int32_t h = 0; h < heads; ++h) {
       std::vector<std::int32_t> lib;
       for (std::int32_t s = 0; s < capacity; ++s) {
-        const std::int32_t p = policy.slots().position(b, h, s);
+        const std::int32_t p = position_at(h, s);
         if (p < 0) continue;
         lib.push_back(p);
         std::vector<float> row;
@@ -432,38 +453,87 @@ struct greedy_stream {
     }
   }
 
+  /// Reference prefill: naive greedy removal of sequence b's prompt of
+  /// `len` tokens down to the budget, judged with the last row's queries q
+  /// ([heads * group][d]).
+  void reference_prefill(std::int32_t b, std::int32_t len, const std::vector<T>& q) {
+    for (std::int32_t h = 0; h < heads; ++h) {
+      auto& c = cached[std::size_t(b * heads + h)];
+      while (std::int32_t(c.size()) > budget) {
+        const auto err = naive_errors(group_queries(q, h), keys[std::size_t(b * heads + h)],
+                                      values[std::size_t(b * heads + h)], c, scale);
+        std::vector<std::int32_t> candidates;
+        for (std::int32_t p : c)
+          if (p >= sinks && p < len - recent) candidates.push_back(p);
+        std::int32_t victim = -1;
+        for (std::int32_t p : candidates)
+          if (victim < 0 || evicts_before(float(err.at(p)), p, float(err.at(victim)), victim)) victim = p;
+        c.erase(std::find(c.begin(), c.end(), victim));
+      }
+    }
+  }
+
+  /// Checks one decode step's eviction of sequence b (the newest position
+  /// is `newest`, queries q) against the naive errors, then drops the
+  /// library's choice from the reference. slot_of(h, p): the library's
+  /// slot of position p after the step, -1 when dropped.
+  template <class SlotOf>
+  void check_decode_eviction(std::int32_t b, std::int32_t newest, const std::vector<T>& q,
+                             const std::int32_t* victims, SlotOf slot_of) {
+    for (std::int32_t h = 0; h < heads; ++h) {
+      auto& c = cached[std::size_t(b * heads + h)];
+      const auto qs = group_queries(q, h);
+      const auto err = naive_errors(qs, keys[std::size_t(b * heads + h)], values[std::size_t(b * heads + h)], c,
+                                    scale);
+      std::vector<std::int32_t> candidates;
+      for (std::int32_t p : c)
+        if (p >= sinks && p < newest + 1 - recent) candidates.push_back(p);
+      REQUIRE(victims[h] >= 0);
+      // The victim's position: the freed slot no longer holds it, so find
+      // which cached position the library dropped.
+      std::int32_t chosen = -1;
+      for (std::int32_t p : c)
+        if (slot_of(h, p) < 0) chosen = p;
+      REQUIRE(chosen >= 0);
+      CHECK(is_greedy_choice(err, candidates, chosen));
+      ++decisions;
+      // h2o from the same state: lowest accumulated attention (this
+      // trajectory's softmax weights, summed over the group), older first.
+      // Its choice can never cause a smaller error than the greedy one.
+      auto& acc = h2o_scores[std::size_t(b * heads + h)];
+      for (std::int32_t p : c)
+        for (const auto& row : qs) acc[p] += float(naive_attention_weight(row, b, h, p, c));
+      std::int32_t h2o_victim = candidates.front();
+      for (std::int32_t p : candidates)
+        if (evicts_before(acc[p], p, acc[h2o_victim], h2o_victim)) h2o_victim = p;
+      CHECK(err.at(chosen) <= err.at(h2o_victim) * (1 + 1e-7) + 1e-15);  // float keys: within rounding
+      ++h2o_comparisons;
+      c.erase(std::find(c.begin(), c.end(), chosen));
+      acc.erase(chosen);
+    }
+  }
+
+  exact_greedy_config config() const {
+    exact_greedy_config c;
+    c.budget = budget;
+    c.recent = recent;
+    c.sinks = sinks;
+    return c;
+  }
+
+  /// The per-sequence API: each sequence's prompt, then its steps.
   template <class View>
   void run(const View& view) {
-    exact_greedy_config config;
-    config.budget = budget;
-    config.recent = recent;
-    config.sinks = sinks;
-    exact_greedy_policy policy(policy_shape{seqs, heads, heads * group, capacity}, config);
+    exact_greedy_policy policy(policy_shape{seqs, heads, heads * group, capacity}, config());
     for (std::int32_t b = 0; b < seqs; ++b) {
       std::int32_t len = 0;
       if (prompt[std::size_t(b)] > 0) {
         len = prompt[std::size_t(b)];
-        for (std::int32_t p = 0; p < len; ++p) {
-          std::vector<std::int32_t> slots(static_cast<std::size_t>(heads), p);
-          write_token(view, b, p, slots.data());
-        }
+        write_prompt(view, b, len);
         const std::vector<T> q = random_rows(heads * group);
         policy.prefill(b, len, decode_queries<T>{make_tensor_view<const T>(q.data(), heads * group, d), {}, scale}, view);
-        for (std::int32_t h = 0; h < heads; ++h) {  // reference: naive greedy removal
-          auto& c = cached[std::size_t(b * heads + h)];
-          while (std::int32_t(c.size()) > budget) {
-            const auto err = naive_errors(group_queries(q, h), keys[std::size_t(b * heads + h)],
-                                          values[std::size_t(b * heads + h)], c, scale);
-            std::vector<std::int32_t> candidates;
-            for (std::int32_t p : c)
-              if (p >= sinks && p < len - recent) candidates.push_back(p);
-            std::int32_t victim = -1;
-            for (std::int32_t p : candidates)
-              if (victim < 0 || evicts_before(float(err.at(p)), p, float(err.at(victim)), victim)) victim = p;
-            c.erase(std::find(c.begin(), c.end(), victim));
-          }
-        }
-        check_cache(view, policy, b);
+        reference_prefill(b, len, q);
+        check_cache(view, b, [&](std::int32_t h, std::int32_t s) { return policy.slots().position(b, h, s); });
       }
       for (std::int32_t step = 0; step < steps[std::size_t(b)]; ++step, ++len) {
         std::vector<std::int32_t> slots(static_cast<std::size_t>(heads));
@@ -476,41 +546,92 @@ struct greedy_stream {
         const bool over = std::int32_t(cached[std::size_t(b * heads)].size()) > budget;
         CHECK(policy.evict(b, victims.data()) == (over ? heads : 0));
         if (!over) continue;
-        for (std::int32_t h = 0; h < heads; ++h) {
-          auto& c = cached[std::size_t(b * heads + h)];
-          const auto qs = group_queries(q, h);
-          const auto err = naive_errors(qs, keys[std::size_t(b * heads + h)], values[std::size_t(b * heads + h)], c,
-                                        scale);
-          std::vector<std::int32_t> candidates;
-          for (std::int32_t p : c)
-            if (p >= sinks && p < len + 1 - recent) candidates.push_back(p);
-          REQUIRE(victims[std::size_t(h)] >= 0);
-          // The victim's position: the freed slot no longer holds it, so find
-          // which cached position the library dropped.
-          std::int32_t chosen = -1;
-          for (std::int32_t p : c)
-            if (policy.slots().slot_of(b, h, p) < 0) chosen = p;
-          REQUIRE(chosen >= 0);
-          CHECK(is_greedy_choice(err, candidates, chosen));
-          ++decisions;
-          // h2o from the same state: lowest accumulated attention (this
-          // trajectory's softmax weights, summed over the group), older first.
-          // Its choice can never cause a smaller error than the greedy one.
-          auto& acc = h2o_scores[std::size_t(b * heads + h)];
-          for (std::int32_t p : c)
-            for (const auto& row : qs) acc[p] += float(naive_attention_weight(row, b, h, p, c));
-          std::int32_t h2o_victim = candidates.front();
-          for (std::int32_t p : candidates)
-            if (evicts_before(acc[p], p, acc[h2o_victim], h2o_victim)) h2o_victim = p;
-          CHECK(err.at(chosen) <= err.at(h2o_victim) * (1 + 1e-7) + 1e-15);  // float keys: within rounding
-          ++h2o_comparisons;
-          c.erase(std::find(c.begin(), c.end(), chosen));
-          acc.erase(chosen);
-        }
-        check_cache(view, policy, b);
+        check_decode_eviction(b, len, q, victims.data(),
+                              [&](std::int32_t h, std::int32_t p) { return policy.slots().slot_of(b, h, p); });
+        check_cache(view, b, [&](std::int32_t h, std::int32_t s) { return policy.slots().position(b, h, s); });
       }
     }
   }
+
+  /// The batched API: every prompt in one batched prefill (exact_greedy's
+  /// batched twin of the per-sequence prefill), then decode steps of the
+  /// whole batch, a sequence active while it has steps left (ragged).
+  template <class View>
+  void run_batched(const View& view) {
+    const std::int32_t hq = heads * group;
+    batched_policy<exact_greedy_policy> policy(policy_shape{seqs, heads, hq, capacity}, config(),
+                                               history_extent{capacity + steps_max() + 1, d});
+    const batch_state_view& st = policy.state();
+    auto position_at = [&](std::int32_t b) {
+      return [&st, b](std::int32_t h, std::int32_t s) { return st.slots.positions_of(b, h)[s]; };
+    };
+    auto slot_of = [&](std::int32_t b) {
+      return [&st, b, this](std::int32_t h, std::int32_t p) {
+        for (std::int32_t s = 0; s < capacity; ++s)
+          if (st.slots.positions_of(b, h)[s] == p) return s;
+        return -1;
+      };
+    };
+    std::vector<std::int32_t> with_prompt, lengths(std::size_t(seqs), 0);
+    for (std::int32_t b = 0; b < seqs; ++b)
+      if (prompt[std::size_t(b)] > 0) {
+        write_prompt(view, b, prompt[std::size_t(b)]);
+        with_prompt.push_back(b);
+        lengths[std::size_t(b)] = prompt[std::size_t(b)];
+      }
+    if (!with_prompt.empty()) {
+      const std::vector<T> q = random_rows(seqs * hq);
+      std::uint64_t status = batch_status_clear;
+      std::vector<std::int32_t> reclaimable(std::size_t(seqs), -7);
+      batched_prefill(st, active_set::of_list(with_prompt.data(), std::int32_t(with_prompt.size())),
+                      prompt_lengths{lengths.data(), capacity},
+                      batch_queries<T>{make_tensor_view<const T>(q.data(), seqs, hq, d), {}, scale}, view,
+                      reclaimable.data(), &status);
+      REQUIRE(status == batch_status_clear);
+      for (std::int32_t b : with_prompt) {
+        const std::vector<T> qb(q.begin() + std::ptrdiff_t(b) * hq * d, q.begin() + std::ptrdiff_t(b + 1) * hq * d);
+        reference_prefill(b, lengths[std::size_t(b)], qb);
+        check_cache(view, b, position_at(b));
+        CHECK(reclaimable[std::size_t(b)] >= 0);
+        batched_prefills += lengths[std::size_t(b)] > budget;  // compressed, not kept whole
+      }
+    }
+    for (std::int32_t step = 0; step < steps_max(); ++step) {
+      std::vector<std::int32_t> active;
+      std::vector<T> k(std::size_t(seqs) * heads * d), v(k.size());
+      for (std::int32_t b = 0; b < seqs; ++b) {
+        if (step >= steps[std::size_t(b)]) continue;
+        active.push_back(b);
+        std::vector<T> kb, vb;
+        draw_token(b, lengths[std::size_t(b)], kb, vb);
+        std::copy(kb.begin(), kb.end(), k.begin() + std::ptrdiff_t(b) * heads * d);
+        std::copy(vb.begin(), vb.end(), v.begin() + std::ptrdiff_t(b) * heads * d);
+      }
+      const active_set set = active_set::of_list(active.data(), std::int32_t(active.size()));
+      policy.append(view, batch_rows<T>{make_tensor_view<const T>(k.data(), seqs, heads, d)},
+                    batch_rows<T>{make_tensor_view<const T>(v.data(), seqs, heads, d)}, set);
+      const std::vector<T> q = random_rows(seqs * hq);
+      std::vector<std::int32_t> victims(std::size_t(seqs) * heads, -7);
+      policy.observe_evict(batch_queries<T>{make_tensor_view<const T>(q.data(), seqs, hq, d), {}, scale}, view, set,
+                           victims.data());
+      REQUIRE(policy.status_word() == batch_status_clear);
+      for (std::int32_t b : active) {
+        const std::int32_t newest = lengths[std::size_t(b)]++;
+        const bool over = std::int32_t(cached[std::size_t(b * heads)].size()) > budget;
+        const std::int32_t* vb = &victims[std::size_t(b) * heads];
+        if (over) {
+          const std::vector<T> qb(q.begin() + std::ptrdiff_t(b) * hq * d, q.begin() + std::ptrdiff_t(b + 1) * hq * d);
+          check_decode_eviction(b, newest, qb, vb, slot_of(b));
+        } else {
+          for (std::int32_t h = 0; h < heads; ++h) CHECK(vb[h] == -1);
+        }
+        check_cache(view, b, position_at(b));
+      }
+    }
+  }
+
+  std::int32_t steps_max() const { return *std::max_element(steps.begin(), steps.end()); }
+  std::int64_t batched_prefills = 0;
 
   // Softmax weight of position p for query q over the cached set (this
   // step's attention, what an h2o score would add).
@@ -530,31 +651,60 @@ struct greedy_stream {
 
 }  // namespace
 
-TEST_CASE("exact_greedy evicts the naive argmin, never worse than h2o from the same state") {
-  std::int64_t streams = 0, decisions = 0, comparisons = 0;
+namespace {
+
+/// Runs 200 streams per layout through the per-sequence or the batched API
+/// against the naive reference; returns (streams, decisions, comparisons,
+/// batched prefills).
+struct greedy_totals {
+  std::int64_t streams = 0, decisions = 0, comparisons = 0, batched_prefills = 0;
+};
+
+greedy_totals run_greedy_streams(bool batched) {
+  greedy_totals tot;
   for (layout_kind kind : kvtest::all_layouts)
-    for (int i = 0; i < 200; ++i, ++streams) {
-      const std::uint32_t seed = std::uint32_t(streams + 1);
+    for (int i = 0; i < 200; ++i, ++tot.streams) {
+      const std::uint32_t seed = std::uint32_t(tot.streams + 1);
       const std::string layout = kvtest::name(kind);
       CAPTURE(seed);
       CAPTURE(layout);
       auto one = [&](auto tag) {
         using T = decltype(tag);
         greedy_stream<T> s(seed);
-        kvtest::with_cache<T>(kind, s.seqs, s.heads, s.capacity, s.d, 1 + int(seed % 4),
-                              [&](const auto& view) { s.run(view); });
-        decisions += s.decisions;
-        comparisons += s.h2o_comparisons;
+        kvtest::with_cache<T>(kind, s.seqs, s.heads, s.capacity, s.d, 1 + int(seed % 4), [&](const auto& view) {
+          if (batched) s.run_batched(view);
+          else s.run(view);
+        });
+        tot.decisions += s.decisions;
+        tot.comparisons += s.h2o_comparisons;
+        tot.batched_prefills += s.batched_prefills;
       };
-      switch (streams % 3) {
+      switch (tot.streams % 3) {
         case 0: one(float{}); break;
         case 1: one(half{}); break;
         default: one(bfloat16{}); break;
       }
     }
-  MESSAGE(streams, " streams, ", decisions, " greedy decisions checked, ", comparisons, " compared with h2o");
-  CHECK(streams >= 1000);
-  CHECK(decisions > 10000);
+  return tot;
+}
+
+}  // namespace
+
+TEST_CASE("exact_greedy evicts the naive argmin, never worse than h2o from the same state") {
+  const greedy_totals tot = run_greedy_streams(false);
+  MESSAGE(tot.streams, " streams, ", tot.decisions, " greedy decisions checked, ", tot.comparisons,
+          " compared with h2o");
+  CHECK(tot.streams >= 1000);
+  CHECK(tot.decisions > 10000);
+}
+
+TEST_CASE("batched exact_greedy: the batched prefill and ragged decode steps evict the naive argmin") {
+  const greedy_totals tot = run_greedy_streams(true);
+  MESSAGE(tot.streams, " streams, ", tot.batched_prefills, " prompts compressed by batched prefills, ",
+          tot.decisions, " greedy decisions checked");
+  CHECK(tot.streams >= 1000);
+  CHECK(tot.batched_prefills > 200);
+  CHECK(tot.decisions > 10000);
 }
 
 TEST_CASE("regression: evict_to of one sequence re-scores with that sequence's softmax scale, not the last observed") {

@@ -49,7 +49,7 @@ template <class Q>
 void require_greedy_queries(const site& w, const batch_state_view& st, const batch_queries<Q>& in) {
   require_history(w, st);
   require_batch_extents(w, "q", in.q, {st.num_seqs(), st.num_q_heads, st.history.head_dim}, false);
-  require_batch_extents(w, "lse", in.lse, {st.num_seqs(), st.num_q_heads}, false);
+  require_query_lse(w, st, in);
   require_scale(w, in.scale);
   require_lse_base(w, "base", in.base);
 }

@@ -155,12 +155,21 @@ void require_input(const site& w, const batch_state_view& st, const key_diff<T, 
                            st.anchors.head_dim);
 }
 
+/// The LSE of a queries input. exact_greedy (the state with a history)
+/// scores with its own softmax over the history and never reads it: there
+/// it may be absent, as in the per-sequence call.
+template <class Q>
+void require_query_lse(const site& w, const batch_state_view& st, const batch_queries<Q>& in) {
+  if (st.history.keys != nullptr && in.lse.data == nullptr) return;
+  require_batch_extents(w, "lse", in.lse, {st.num_seqs(), st.num_q_heads}, false);
+}
+
 template <class Q, class T, class Layout>
 void require_input(const site& w, const batch_state_view& st, const batch_queries<Q>& in,
                    const kv_view<T, Layout>& cache) {
   require_cache(w, st, cache);
   require_batch_extents(w, "q", in.q, {st.num_seqs(), st.num_q_heads, cache.head_dim}, false);
-  require_batch_extents(w, "lse", in.lse, {st.num_seqs(), st.num_q_heads}, false);
+  require_query_lse(w, st, in);
   require_scale(w, in.scale);
   require_lse_base(w, "base", in.base);
 }
