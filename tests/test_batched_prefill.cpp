@@ -1,14 +1,26 @@
-// Batched prefill compression on the host (batch/prefill.hpp) against the
-// per-sequence policies' prefill, which test_policies_bruteforce holds to
-// from-scratch references: on seeded random prompts for every policy x input
-// (probs, column sums, queries + LSE, none) x dtype x layout x GQA group
-// {1, 4, 8}, with ragged prompt lengths (L <= budget and L = capacity among
-// them) and inactive sequences that already hold a token, both must give the
-// same slot tables, bitwise the same scores, the same K/V bytes and the same
-// reclaimable pages. Then the canonical column-sum order itself, the status
-// word for bad data (the sequence byte for byte unchanged, the rest of the
-// batch compressed), arguments that throw before anything changes, the
-// slot-table-only form, and exact_greedy's refusal.
+// Batched prefill compression on the host (batch/prefill.hpp) against a
+// brute-force reference written in the test from the definitions
+// (support/prefill_reference.hpp; docs/semantics.md, "Scores" and "Batched
+// prefill"; docs/policies.md, "Prefill"), not against the per-sequence
+// policies, which are a facade over this same backend. On seeded random
+// prompts for every policy x input (probs, column sums, queries + LSE, none)
+// x dtype x layout x GQA group {1, 4, 8} (h2o with sum, mean and max and
+// decays 1, 0.9, 0.5 and 0), with ragged prompt lengths (L <= budget and
+// L = capacity among them), random's request streams, and inactive sequences
+// (fresh, or holding a token) that must stay byte for byte as they were:
+// the slot table, bitwise the scores, the K/V bytes and the reclaimable
+// pages must be the reference's. The reference's own code: the column sums
+// in the canonical 64-row chunk order, the row weights decay^(L-1-i), the
+// keep plans (sinks + recent + top by (score, position); recent_window's
+// newest; random's Philox prefill priorities), the compaction and the pages.
+// It calls the library only for the scalar rules of one element pinned by
+// their own definitional tests: attention_logit and probability_from_logit
+// (one probability of the queries input), fold_group (one column's GQA
+// fold), philox4x32_10 (one draw). Then the canonical column-sum order
+// itself, the status word for bad data (the sequence byte for byte
+// unchanged, the rest of the batch as the reference compresses it),
+// arguments that throw before anything changes, the slot-table-only form,
+// and exact_greedy's refusal.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -25,6 +37,7 @@
 #include "kvevict/policy/column_sums.hpp"
 #include "support/caches.hpp"
 #include "support/prefill_fixtures.hpp"
+#include "support/prefill_reference.hpp"
 
 namespace {
 
@@ -125,6 +138,10 @@ using kvtest::converted;
 using kvtest::draw_prefill_config;
 using kvtest::draw_prompts;
 using kvtest::prefill_input;
+using kvtest::prefill_reference_rule;
+using kvtest::reference_prefill;
+using kvtest::reference_reclaimable;
+using kvtest::reference_sequence;
 using kvtest::prompt_batch;
 using kvtest::prompt_options;
 using kvtest::sequence_bytes;
@@ -172,7 +189,7 @@ std::vector<unsigned char> kv_bytes(const kv_view<T, Layout>& a) {
 }
 
 // ---------------------------------------------------------------------------
-// The two implementations.
+// The library's call and the reference's expectation.
 
 /// A batched state in memory of its own, so that its bytes can be compared.
 template <class Policy>
@@ -187,40 +204,7 @@ struct raw_state {
   }
 };
 
-/// Per-sequence prefill of sequence b from the batch's inputs.
-template <class Policy, class Q, class V>
-prefill_result prefill_single(Policy& p, const prompt_batch& d, prefill_input kind, std::int32_t b, const V& view) {
-  const std::int32_t L = d.lengths[std::size_t(b)], Hq = d.Hq(), M = d.M, D = d.D;
-  const std::size_t row = std::size_t(b) * Hq;
-  switch (kind) {
-    case prefill_input::probs:
-      return p.prefill(b, L,
-                       prefill_probs{make_strided_view<const float, 3>(d.probs.data() + row * M * M, {Hq, L, L},
-                                                                       {std::int64_t(M) * M, M, 1})},
-                       view);
-    case prefill_input::sums:
-      return p.prefill(b, L,
-                       prefill_column_sums{make_strided_view<const float, 2>(d.sums.data() + row * M, {Hq, L}, {M, 1})},
-                       view);
-    case prefill_input::queries: {
-      static thread_local std::vector<Q> qv;
-      qv = converted<Q>(d.q);
-      const auto q = make_strided_view<const Q, 3>(qv.data() + row * M * D, {Hq, L, D}, {std::int64_t(M) * D, D, 1});
-      const auto lse = make_strided_view<const float, 2>(d.lse.data() + row * M, {Hq, L}, {M, 1});
-      return p.prefill(b, L, prefill_queries<Q>{q, lse, d.scale, d.base}, view);
-    }
-    case prefill_input::none:
-      if constexpr (std::is_same_v<Policy, h2o_policy>) {
-        FAIL("h2o has no prefill without scores");
-        return {};
-      } else {
-        return p.prefill(b, L, view);
-      }
-  }
-  return {};
-}
-
-/// The batched prefill of the same inputs.
+/// The batched prefill of the batch's inputs.
 template <class Q, class V>
 void prefill_batched(const batch_state_view& st, const prompt_batch& d, prefill_input kind, const V& view,
                      std::int32_t* reclaimable, std::uint64_t* status) {
@@ -248,39 +232,54 @@ void prefill_batched(const batch_state_view& st, const prompt_batch& d, prefill_
   }
 }
 
-/// The batched state equals the per-sequence policy's: slot tables,
-/// counters, lengths and every slot's current score bit for bit; prefilled
-/// heads are not appended and their spare scores are 0.
-template <class Policy>
-void check_same_as_single(const batch_state_view& st, const Policy& single, const std::vector<std::uint8_t>& appended) {
-  for (std::int32_t b = 0; b < st.num_seqs(); ++b) {
-    CAPTURE(b);
-    REQUIRE(st.slots.lengths[b] == single.length(b));
-    for (std::int32_t h = 0; h < st.num_heads(); ++h) {
-      CAPTURE(h);
-      const std::int64_t bh = st.head_index(b, h);
-      REQUIRE(st.slots.counts[bh] == single.slots().count(b, h));
-      CHECK(st.slots.next_slots[bh] == single.slots().next_slot(b, h));
-      CHECK(st.appended[bh] == appended[std::size_t(b)]);
-      for (std::int32_t s = 0; s < st.capacity(); ++s) {
-        CAPTURE(s);
-        REQUIRE(st.slots.positions_of(b, h)[s] == single.slots().position(b, h, s));
-        CHECK(same_float(st.scores_of(b, h)[s], single.scores_of(b, h)[s]));
-        if (!appended[std::size_t(b)]) CHECK(same_float(st.spare_scores_of(b, h)[s], 0.0f));
-      }
+/// Sequence b of the state after a prefill the reference computed: length
+/// L; per head slot s < kept holds keep[s] with its reference score bit for
+/// bit in the current buffer, every other slot is free with score 0, the
+/// spare buffer is 0, count = next slot = kept, not appended; the stream is
+/// the one the sequence had.
+void check_prefilled(const batch_state_view& st, std::int32_t b, const reference_sequence& want,
+                     std::uint64_t stream) {
+  CAPTURE(b);
+  REQUIRE(st.slots.lengths[b] == want.length);
+  if (st.streams) CHECK(st.streams[b] == stream);
+  for (std::int32_t h = 0; h < st.num_heads(); ++h) {
+    CAPTURE(h);
+    const std::int64_t bh = st.head_index(b, h);
+    const std::vector<std::int32_t>& keep = want.keep[std::size_t(h)];
+    const std::int32_t kept = std::int32_t(keep.size());
+    REQUIRE(st.slots.counts[bh] == kept);
+    CHECK(st.slots.next_slots[bh] == kept);
+    CHECK(st.appended[bh] == 0);
+    for (std::int32_t s = 0; s < st.capacity(); ++s) {
+      CAPTURE(s);
+      REQUIRE(st.slots.positions_of(b, h)[s] == (s < kept ? keep[std::size_t(s)] : -1));
+      CHECK(same_float(st.scores_of(b, h)[s], s < kept ? want.scores[std::size_t(h)][std::size_t(s)] : 0.0f));
+      CHECK(same_float(st.spare_scores_of(b, h)[s], 0.0f));
     }
   }
 }
 
+template <class V>
+constexpr bool is_paged() {
+  return std::is_same_v<typename V::layout_type, paged_layout>;
+}
+
 struct totals {
-  std::int64_t calls = 0, compressed = 0, whole = 0, long_prompts = 0;
+  std::int64_t calls = 0, compressed = 0, whole = 0, long_prompts = 0, dropped = 0, untouched = 0;
 };
 
+/// One seeded batch: the library's batched prefill (cache view_b) against
+/// the reference (cache view_a, the same rows on entry): slot tables,
+/// scores bit for bit, K/V bytes and reclaimable pages of every active
+/// sequence; the inactive ones (fresh, or holding one appended token) byte
+/// for byte as they were.
 template <class Policy, class T, class Q>
 void run_case(std::uint32_t seed, layout_kind layout, std::int32_t group, prefill_input kind, totals& tot) {
   std::mt19937 rng(seed);
   std::int32_t budget = 0;
   const auto config = draw_prefill_config<Policy>(rng, budget);
+  const prefill_reference_rule rule = kvtest::reference_rule(config);
+  REQUIRE(rule.budget == budget);
   const std::int32_t B = std::uniform_int_distribution<int>(1, 4)(rng);
   const std::int32_t H = std::uniform_int_distribution<int>(1, 2)(rng);
   const std::int32_t D = std::uniform_int_distribution<int>(0, 1)(rng) ? 8 : 12;
@@ -289,40 +288,49 @@ void run_case(std::uint32_t seed, layout_kind layout, std::int32_t group, prefil
   const std::int32_t cap = std::uniform_int_distribution<int>(budget + 1, std::max(budget + 1, longest))(rng);
   prompt_batch d = draw_prompts(rng, B, H, group, D, budget, cap);
   const policy_shape shape{B, H, H * group, cap};
-  Policy single(shape, config);
   raw_state<Policy> batched(shape, config);
+  std::vector<std::uint64_t> streams(static_cast<std::size_t>(B));
+  for (std::int32_t b = 0; b < B; ++b) streams[std::size_t(b)] = std::uint64_t(b);  // the default stream
   if constexpr (std::is_same_v<Policy, random_policy>) {  // request streams of their own on some sequences
-    std::vector<std::uint64_t> streams(static_cast<std::size_t>(B));
-    for (std::int32_t b = 0; b < B; ++b) {
+    for (std::int32_t b = 0; b < B; ++b)
       streams[std::size_t(b)] = rng() % 2 ? std::uint64_t(b) : 1000 + 7 * std::uint64_t(b) + seed;
-      single.reset(b, streams[std::size_t(b)]);
-    }
     reset_batch_sequences(batched.view, active_set::all(), streams.data());
   }
+  const std::vector<Q> qv = kind == prefill_input::queries ? converted<Q>(d.q) : std::vector<Q>();
   auto run_both = [&](const auto& view_a, const auto& view_b) {
     fill_caches(rng, view_a, view_b);
-    // Inactive sequences already hold a token: they must stay as they are.
-    std::vector<std::uint8_t> appended(std::size_t(B), 0);
+    // Inactive sequences may already hold a token: they must stay as they are.
     std::uint64_t status = batch_status_clear;
     for (std::int32_t b = 0; b < B; ++b)
-      if (!d.active[std::size_t(b)] && rng() % 2) {
-        single.append(b);
-        batched_append(batched.view, active_set::of_list(&b, 1), &status);
-        appended[std::size_t(b)] = 1;
-      }
-    std::vector<std::int32_t> want(std::size_t(B), -7), got(std::size_t(B), -7);
+      if (!d.active[std::size_t(b)] && rng() % 2) batched_append(batched.view, active_set::of_list(&b, 1), &status);
+    REQUIRE(status == batch_status_clear);
+    std::vector<std::vector<unsigned char>> before;
+    for (std::int32_t b = 0; b < B; ++b) before.push_back(sequence_bytes(batched.view, b));
+    std::vector<reference_sequence> want(static_cast<std::size_t>(B));
+    std::vector<std::int32_t> want_pages(std::size_t(B), -7), got(std::size_t(B), -7);
     for (std::int32_t b = 0; b < B; ++b)
       if (d.active[std::size_t(b)]) {
-        want[std::size_t(b)] = prefill_single<Policy, Q>(single, d, kind, b, view_a).reclaimable_pages;
-        const bool compressed = d.lengths[std::size_t(b)] > budget;
+        const std::int32_t L = d.lengths[std::size_t(b)];
+        want[std::size_t(b)] = reference_prefill<Q>(d, kind, rule, b, streams[std::size_t(b)], qv, &view_a);
+        want_pages[std::size_t(b)] =
+            is_paged<std::decay_t<decltype(view_a)>>() ? reference_reclaimable(L, budget, cap, page) : 0;
+        const bool compressed = L > budget;
         tot.compressed += compressed;
         tot.whole += !compressed;
-        tot.long_prompts += d.lengths[std::size_t(b)] > 64;
+        tot.long_prompts += L > 64;
+        if (compressed) tot.dropped += std::int64_t(H) * (L - budget);
       }
     prefill_batched<Q>(batched.view, d, kind, view_b, got.data(), &status);
     REQUIRE(status == batch_status_clear);
-    check_same_as_single(batched.view, single, appended);
-    CHECK(got == want);
+    for (std::int32_t b = 0; b < B; ++b) {
+      if (d.active[std::size_t(b)]) {
+        check_prefilled(batched.view, b, want[std::size_t(b)], streams[std::size_t(b)]);
+      } else {
+        CHECK(sequence_bytes(batched.view, b) == before[std::size_t(b)]);
+        ++tot.untouched;
+      }
+    }
+    CHECK(got == want_pages);
     CHECK(same_kv_bytes(view_a, view_b));
   };
   kvtest::with_cache<T>(layout, B, H, cap, D, page, [&](const auto& view_a) {
@@ -363,23 +371,25 @@ void run_policy(const char* policy_name, std::initializer_list<prefill_input> ki
                 break;
             }
           }
-  MESSAGE(std::string(policy_name), ": ", tot.calls, " batched calls, ", tot.compressed, " prompts compressed, ",
-          tot.whole, " kept whole, ", tot.long_prompts, " longer than 64 rows");
+  MESSAGE(std::string(policy_name), ": ", tot.calls, " batched calls against the reference, ", tot.compressed,
+          " prompts compressed (", tot.dropped, " (head, position) pairs dropped), ", tot.whole, " kept whole, ",
+          tot.long_prompts, " longer than 64 rows, ", tot.untouched, " inactive sequences unchanged");
   CHECK(tot.compressed > 100 * seeds);
   CHECK(tot.whole > 10 * seeds);
   CHECK(tot.long_prompts > 10 * seeds);
+  CHECK(tot.untouched > 10 * seeds);
 }
 
 }  // namespace
 
-TEST_CASE("batched prefill h2o equals the per-sequence h2o, every input x dtype x layout x GQA") {
+TEST_CASE("batched prefill h2o equals the reference prefill, every input x dtype x layout x GQA x decay") {
   run_policy<h2o_policy>("h2o", {prefill_input::probs, prefill_input::sums, prefill_input::queries}, 2);
 }
-TEST_CASE("batched prefill recent_window equals the per-sequence policy") {
+TEST_CASE("batched prefill recent_window keeps the reference's sinks + window, every input x dtype x layout") {
   run_policy<recent_window_policy>(
       "recent_window", {prefill_input::none, prefill_input::probs, prefill_input::sums, prefill_input::queries}, 1);
 }
-TEST_CASE("batched prefill random equals the per-sequence policy, request streams included") {
+TEST_CASE("batched prefill random keeps the reference's Philox prefill priorities, request streams included") {
   run_policy<random_policy>("random",
                             {prefill_input::none, prefill_input::probs, prefill_input::sums, prefill_input::queries}, 2);
 }
@@ -392,31 +402,33 @@ namespace {
 /// An h2o batch of 4 sequences (2 KV heads, group 2), every one active and
 /// longer than the budget (cap, cap - 1, ...); `spoil` damages the inputs of
 /// sequence `bad` (and may set up the state or both caches), `want` is the
-/// expected status word. The reference prefills every other sequence per
-/// sequence; the bad one must keep its state and rows byte for byte.
-/// Probabilities sit on a grid, so sums are exact in any order.
+/// expected status word. Every other sequence must match the reference
+/// prefill (slot table, scores, rows, reclaimable pages); the bad one must
+/// keep its state and rows byte for byte.
 template <class Spoil>
 void run_bad(const char* what, prefill_input kind, std::int32_t cap, std::int32_t bad, Spoil spoil,
              std::uint64_t want, std::int32_t also_bad = -1) {
   CAPTURE(std::string(what));
   std::mt19937 rng(11);
-  const std::int32_t B = 4, H = 2, g = 2, D = 8, budget = 6;
+  const std::int32_t B = 4, H = 2, g = 2, D = 8, budget = 6, page = 8;
   const h2o_config config{3, 3, group_reduce::sum};
+  const prefill_reference_rule rule = kvtest::reference_rule(config);
   const std::vector<std::int32_t> lengths = {cap, cap - 1, cap - 2, cap - 3};
   prompt_batch d = draw_prompts(rng, B, H, g, D, budget, cap, prompt_options{true, true, &lengths});
   d.use_list = true;
   d.list = {3, 1, 0, 2};
   const policy_shape shape{B, H, H * g, cap};
-  h2o_policy single(shape, config);
   raw_state<h2o_policy> batched(shape, config);
   auto run = [&](const auto& view_a, const auto& view_b) {
     fill_caches(rng, view_a, view_b);
     std::vector<std::uint8_t> appended(std::size_t(B), 0);
-    spoil(d, single, batched.view, view_a, view_b, appended);
+    spoil(d, batched.view, view_a, view_b, appended);
     const std::vector<unsigned char> before = sequence_bytes(batched.view, bad);
     const std::vector<unsigned char> also_before = also_bad >= 0 ? sequence_bytes(batched.view, also_bad) : before;
+    const std::vector<float> qv = kind == prefill_input::queries ? d.q : std::vector<float>();
+    std::vector<reference_sequence> good(static_cast<std::size_t>(B));
     for (std::int32_t b = 0; b < B; ++b)
-      if (b != bad && b != also_bad) prefill_single<h2o_policy, float>(single, d, kind, b, view_a);
+      if (b != bad && b != also_bad) good[std::size_t(b)] = reference_prefill<float>(d, kind, rule, b, b, qv, &view_a);
     std::vector<std::int32_t> reclaimable(std::size_t(B), -7);
     std::uint64_t status = batch_status_clear;
     prefill_batched<float>(batched.view, d, kind, view_b, reclaimable.data(), &status);
@@ -430,12 +442,18 @@ void run_bad(const char* what, prefill_input kind, std::int32_t cap, std::int32_
     if (also_bad >= 0) CHECK(reclaimable[std::size_t(also_bad)] == 0);
     CHECK(sequence_bytes(batched.view, bad) == before);
     if (also_bad >= 0) CHECK(sequence_bytes(batched.view, also_bad) == also_before);
-    check_same_as_single(batched.view, single, appended);
-    CHECK(same_kv_bytes(view_a, view_b));  // the bad sequence's rows did not move
+    for (std::int32_t b = 0; b < B; ++b) {
+      if (b == bad || b == also_bad) continue;
+      check_prefilled(batched.view, b, good[std::size_t(b)], std::uint64_t(b));
+      CHECK(reclaimable[std::size_t(b)] == (is_paged<std::decay_t<decltype(view_a)>>()
+                                                 ? reference_reclaimable(lengths[std::size_t(b)], budget, cap, page)
+                                                 : 0));
+    }
+    CHECK(same_kv_bytes(view_a, view_b));  // the bad sequence's rows did not move, the others as the reference's
   };
   if (kind == prefill_input::queries) {  // paged: the bad-page case needs pages
-    auto a = make_paged_cache<float>(B, H, cap, D, 8, page_order::hnd);
-    auto b = make_paged_cache<float>(B, H, cap, D, 8, page_order::hnd);
+    auto a = make_paged_cache<float>(B, H, cap, D, page, page_order::hnd);
+    auto b = make_paged_cache<float>(B, H, cap, D, page, page_order::hnd);
     run(a.view(), b.view());
   } else {
     auto a = make_bshd_cache<float>(B, H, cap, D);
@@ -453,10 +471,10 @@ TEST_CASE("batched prefill: bad data leaves its sequence unchanged and reports t
     const batch_code codes[3] = {batch_code::nan_input, batch_code::infinite_input, batch_code::negative_probability};
     for (int k = 0; k < 3; ++k)
       run_bad("probs element", prefill_input::probs, 90, 1,
-              [&](prompt_batch& d, auto&, auto&, auto&, auto&, auto&) { d.probs[d.at(1, 3, 40, 17)] = values[k]; },
+              [&](prompt_batch& d, auto&, auto&, auto&, auto&) { d.probs[d.at(1, 3, 40, 17)] = values[k]; },
               pack_status(1, 3 / g, 17, codes[k]));
     run_bad("two codes in one column, in two chunks; a later column; a higher head", prefill_input::probs, 90, 2,
-            [&](prompt_batch& d, auto&, auto&, auto&, auto&, auto&) {
+            [&](prompt_batch& d, auto&, auto&, auto&, auto&) {
               d.probs[d.at(2, 1, 30, 9)] = -1.0f;           // (h 0, column 9): negative
               d.probs[d.at(2, 0, 70, 9)] = std::nanf("");   // (h 0, column 9): NaN, in the second chunk
               d.probs[d.at(2, 2, 50, 3)] = INFINITY;        // (h 1, column 3)
@@ -464,19 +482,19 @@ TEST_CASE("batched prefill: bad data leaves its sequence unchanged and reports t
             },
             pack_status(2, 0, 9, batch_code::nan_input));
     run_bad("a column total that overflows", prefill_input::probs, 90, 3,
-            [&](prompt_batch& d, auto&, auto&, auto&, auto&, auto&) {
+            [&](prompt_batch& d, auto&, auto&, auto&, auto&) {
               for (std::int32_t i = 5; i < 8; ++i) d.probs[d.at(3, 2, i, 5)] = 3e38f;
             },
             pack_status(3, 1, 5, batch_code::score_overflow));
   }
   SUBCASE("column sums: NaN, and a group sum that overflows") {
     run_bad("sums NaN", prefill_input::sums, 90, 0,
-            [&](prompt_batch& d, auto&, auto&, auto&, auto&, auto&) {
+            [&](prompt_batch& d, auto&, auto&, auto&, auto&) {
               d.sums[(std::size_t(0) * Hq + 1) * std::size_t(d.M) + 20] = std::nanf("");
             },
             pack_status(0, 0, 20, batch_code::nan_input));
     run_bad("sums overflow in the fold", prefill_input::sums, 90, 1,
-            [&](prompt_batch& d, auto&, auto&, auto&, auto&, auto&) {
+            [&](prompt_batch& d, auto&, auto&, auto&, auto&) {
               d.sums[(std::size_t(1) * Hq + 2) * std::size_t(d.M) + 4] = 3e38f;
               d.sums[(std::size_t(1) * Hq + 3) * std::size_t(d.M) + 4] = 3e38f;
             },
@@ -485,23 +503,23 @@ TEST_CASE("batched prefill: bad data leaves its sequence unchanged and reports t
   SUBCASE("queries: a non-finite LSE or query row, a NaN key") {
     const std::int32_t cap = 60;  // within one chunk: the per-sequence reference's plain order
     run_bad("lse and query rows of one head: the lowest query head", prefill_input::queries, cap, 2,
-            [&](prompt_batch& d, auto&, auto&, auto&, auto&, auto&) {
+            [&](prompt_batch& d, auto&, auto&, auto&, auto&) {
               d.lse[(std::size_t(2) * Hq + 3) * std::size_t(d.M) + 33] = INFINITY;
               d.q[((std::size_t(2) * Hq + 2) * std::size_t(d.M) + 40) * std::size_t(d.D) + 1] = std::nanf("");
             },
             pack_status(2, 1, 2, batch_code::non_finite_query));
     run_bad("query", prefill_input::queries, cap, 1,
-            [&](prompt_batch& d, auto&, auto&, auto&, auto&, auto&) {
+            [&](prompt_batch& d, auto&, auto&, auto&, auto&) {
               d.q[((std::size_t(1) * Hq + 1) * std::size_t(d.M) + 7) * std::size_t(d.D) + 3] = -INFINITY;
             },
             pack_status(1, 0, 1, batch_code::non_finite_query));
     run_bad("a NaN key", prefill_input::queries, cap, 3,
-            [&](prompt_batch&, auto&, auto&, auto& view_a, auto& view_b, auto&) {
+            [&](prompt_batch&, auto&, auto& view_a, auto& view_b, auto&) {
               view_a.k_row(3, 1, 25)[2] = view_b.k_row(3, 1, 25)[2] = std::nanf("");
             },
             pack_status(3, 1, 25, batch_code::nan_input));
     run_bad("a page outside the pool", prefill_input::queries, cap, 2,
-            [&](prompt_batch&, auto&, auto&, auto& view_a, auto& view_b, auto&) {
+            [&](prompt_batch&, auto&, auto& view_a, auto& view_b, auto&) {
               using layout = typename std::decay_t<decltype(view_a)>::layout_type;
               if constexpr (std::is_same_v<layout, paged_layout>) {  // queries run on a paged cache
                 const_cast<std::int32_t*>(view_a.layout.page_table)[2 * view_a.layout.page_table_stride + 5] = -3;
@@ -512,14 +530,13 @@ TEST_CASE("batched prefill: bad data leaves its sequence unchanged and reports t
   }
   SUBCASE("the sequence: its length, tokens it already holds") {
     run_bad("length 0", prefill_input::probs, 90, 2,
-            [&](prompt_batch& d, auto&, auto&, auto&, auto&, auto&) { d.lengths[2] = 0; },
+            [&](prompt_batch& d, auto&, auto&, auto&, auto&) { d.lengths[2] = 0; },
             pack_status(2, 0, 0, batch_code::bad_length));
     run_bad("length above max_length", prefill_input::sums, 90, 0,
-            [&](prompt_batch& d, auto&, auto&, auto&, auto&, auto&) { d.lengths[0] = d.M + 1; },
+            [&](prompt_batch& d, auto&, auto&, auto&, auto&) { d.lengths[0] = d.M + 1; },
             pack_status(0, 0, 91, batch_code::bad_length));
     run_bad("not empty", prefill_input::sums, 90, 1,
-            [&](prompt_batch&, auto& single, auto& st, auto&, auto&, auto& appended) {
-              single.append(1);
+            [&](prompt_batch&, auto& st, auto&, auto&, auto& appended) {
               std::uint64_t status = batch_status_clear;
               const std::int32_t one = 1;
               batched_append(st, active_set::of_list(&one, 1), &status);
@@ -529,7 +546,7 @@ TEST_CASE("batched prefill: bad data leaves its sequence unchanged and reports t
   }
   SUBCASE("several bad sequences: the lowest sequence's word") {
     run_bad("two", prefill_input::probs, 90, 1,
-            [&](prompt_batch& d, auto&, auto&, auto&, auto&, auto&) {
+            [&](prompt_batch& d, auto&, auto&, auto&, auto&) {
               d.probs[d.at(1, 3, 40, 17)] = -2.0f;
               d.lengths[3] = 200;  // sequence 3 is refused too
             },
@@ -625,31 +642,41 @@ TEST_CASE("batched prefill of exact_greedy refuses attention inputs, naming the 
   CHECK(st.memory == before);
 }
 
-TEST_CASE("batched prefill, slot table only: the engine's own compaction gives the same bytes") {
+TEST_CASE("batched prefill, slot table only: the reference's slot table, and the engine's own compaction gives the "
+          "same bytes") {
   std::mt19937 rng(21);
   const std::int32_t B = 3, H = 2, g = 4, D = 8, cap = 150, budget = 10;
   const h2o_config config{6, 4, group_reduce::mean};
+  const prefill_reference_rule rule = kvtest::reference_rule(config);
+  std::int64_t compressed = 0;
   for (int round = 0; round < 4; ++round) {
     prompt_batch d = draw_prompts(rng, B, H, g, D, budget, cap);
     const policy_shape shape{B, H, H * g, cap};
-    h2o_policy single(shape, config);
     raw_state<h2o_policy> table_only(shape, config), with_cache(shape, config);
+    const std::vector<unsigned char> fresh = sequence_bytes(table_only.view, 0);
     auto a = make_paged_cache<bfloat16>(B, H, cap, D, 16, page_order::nhd);
     auto b = make_paged_cache<bfloat16>(B, H, cap, D, 16, page_order::nhd);
+    auto c = make_paged_cache<bfloat16>(B, H, cap, D, 16, page_order::nhd);  // the reference's compaction
     fill_caches(rng, a.view(), b.view());
+    c.k_storage() = a.k_storage();
+    c.v_storage() = a.v_storage();
     const batch_prefill_sums sums{make_tensor_view<const float>(d.sums.data(), B, H * g, d.M)};
     std::uint64_t status = batch_status_clear;
     batched_prefill(table_only.view, d.active_set_of(), d.prompts(), sums, &status);
     batched_prefill(with_cache.view, d.active_set_of(), d.prompts(), sums, b.view(), nullptr, &status);
     REQUIRE(status == batch_status_clear);
     for (std::int32_t s = 0; s < B; ++s) CHECK(sequence_bytes(table_only.view, s) == sequence_bytes(with_cache.view, s));
+    const auto reference_view = c.view();
     for (std::int32_t s = 0; s < B; ++s) {
-      if (!d.active[std::size_t(s)]) continue;
+      if (!d.active[std::size_t(s)]) {
+        CHECK(sequence_bytes(table_only.view, s) == fresh);
+        continue;
+      }
       const std::int32_t L = d.lengths[std::size_t(s)];
-      const auto r = single.prefill(
-          s, L, prefill_column_sums{make_strided_view<const float, 2>(d.sums.data() + std::size_t(s) * H * g * d.M,
-                                                                      {H * g, L}, {d.M, 1})});
-      CHECK(r.kept == std::min(L, budget));
+      const reference_sequence want =
+          reference_prefill<float>(d, prefill_input::sums, rule, s, std::uint64_t(s), {}, &reference_view);
+      check_prefilled(table_only.view, s, want, std::uint64_t(s));
+      compressed += L > budget;
       // The engine's compaction: slot s' receives row positions[s'], ascending.
       for (std::int32_t h = 0; h < H; ++h)
         for (std::int32_t slot = 0; slot < cap; ++slot) {
@@ -659,7 +686,8 @@ TEST_CASE("batched prefill, slot table only: the engine's own compaction gives t
           std::memcpy(a.view().v_row(s, h, slot), a.view().v_row(s, h, p), sizeof(bfloat16) * D);
         }
     }
-    check_same_as_single(table_only.view, single, std::vector<std::uint8_t>(std::size_t(B), 0));
     CHECK(same_kv_bytes(a.view(), b.view()));
+    CHECK(same_kv_bytes(a.view(), c.view()));
   }
+  CHECK(compressed > 4);
 }

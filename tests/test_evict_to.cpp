@@ -1,14 +1,25 @@
 // Multi-token steps: append of several tokens and evict_to(target), per
-// sequence and batched, against a brute-force keep set, against repeated
-// single evictions where the two must agree, and against evict itself when
-// one token was added.
+// sequence and batched, against brute-force references written here from
+// the definitions (docs/semantics.md, "Multi-token steps"), never against
+// the per-sequence policies as an expectation (they are a facade over the
+// batched host backend): a brute-force keep set, the reference model of
+// support/multi_token_reference.hpp (slot tables, next slots, scores bit
+// for bit, the refill's moves and K/V rows; exact_greedy's errors in long
+// double within 1e-6), random's Philox victims (support/random_reference.hpp),
+// and the refill rule itself. The model and keep sets are the test's own
+// code; it calls the library only for Philox4x32-10 (checked against
+// Random123's known answers in test_order.cpp). Also: evict_to against
+// repeated single evictions and against evict itself when one token was
+// added (both also against the model).
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <random>
 #include <set>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -16,6 +27,7 @@
 #include "kvevict/batch/multi_token.hpp"
 #include "support/caches.hpp"
 #include "support/state_invariants.hpp"
+#include "support/multi_token_reference.hpp"
 #include "support/random_reference.hpp"
 
 namespace kv = kvevict;
@@ -123,6 +135,29 @@ bool newest_first(const std::pair<std::int32_t, float>& a, const std::pair<std::
   return a.first > b.first;
 }
 
+/// The reference model's configuration of each policy's config.
+kvtest::model_config model_of(const kv::h2o_config& c) {
+  return {kvtest::model_rule::lowest_score, std::int32_t(c.budget()), c.sinks, c.recent, 0};
+}
+kvtest::model_config model_of(const kv::recent_window_config& c) {
+  return {kvtest::model_rule::oldest, std::int32_t(c.budget()), c.sinks, 0, 0};
+}
+kvtest::model_config model_of(const kv::random_config& c) {
+  return {kvtest::model_rule::random_priority, c.budget, c.sinks, c.recent, c.seed};
+}
+kvtest::model_config model_of(const kv::exact_greedy_config& c) {
+  return {kvtest::model_rule::greedy, c.budget, c.sinks, c.recent, 0};
+}
+
+/// exact_greedy's float score against the model's error: within a relative
+/// 1e-6 (the library computes in double from float rows, then rounds to float:
+/// seen within 6e-8).
+bool close_error(float got, long double want) {
+  if (std::isinf(want)) return std::isinf(got) && got > 0;
+  const long double diff = static_cast<long double>(got) - want;
+  return (diff < 0 ? -diff : diff) <= want * 1e-6L + 1e-37L;
+}
+
 }  // namespace
 
 TEST_CASE("evict_to keeps the brute-force keep set and a prefix of slots: h2o and recent_window") {
@@ -186,18 +221,45 @@ TEST_CASE("refill: the lowest hole below the span takes the lowest occupied slot
   CHECK(moves_checked > 5000);
 }
 
-TEST_CASE("evict_to with one token above the target is evict, for every policy") {
+TEST_CASE("evict_to with one token above the target is evict, for every policy, both the reference model's step") {
+  // a evicts, b calls evict_to(budget) after the same single-token steps:
+  // both must leave the slot table and scores of the reference model
+  // (support/multi_token_reference.hpp: the victim by the policy's order,
+  // its slot the next slot, no row moved).
   std::mt19937 rng(7);
   const std::int32_t cap = 9;
   auto cache = kv::make_bhsd_cache<float>(kSeqs, kHeads, cap, kDim);
   for (auto& x : cache.k_storage()) x = static_cast<float>(rng() % 16) / 8.0f - 1.0f;
   for (auto& x : cache.v_storage()) x = static_cast<float>(rng() % 16) / 8.0f - 1.0f;
   std::vector<float> inc(std::size_t(kHeads) * cap), q(std::size_t(kHeads) * kGroup * kDim);
+  std::int64_t evictions = 0;
   auto drive = [&](auto& a, auto& b, auto observe) {
+    using Policy = std::decay_t<decltype(a)>;
+    constexpr bool greedy = std::is_same_v<Policy, kv::exact_greedy_policy>;
+    kvtest::multi_token_model model(kSeqs, kHeads, cap, model_of(a.config()));
+    // exact_greedy's history: the rows of position p are the cache's rows
+    // of the slot p was appended to (the cache never changes here).
+    std::vector<std::int32_t> slot_of(std::size_t(kSeqs) * kHeads * 64, -1);
+    std::int32_t s = 0;
+    kvtest::greedy_inputs in;
+    in.group = kGroup;
+    in.head_dim = kDim;
+    in.key = [&](std::int32_t p, std::int32_t h, std::int32_t d) {
+      return cache.view().k_row(s, h, slot_of[(std::size_t(s) * kHeads + std::size_t(h)) * 64 + std::size_t(p)])[d];
+    };
+    in.value = [&](std::int32_t p, std::int32_t h, std::int32_t d) {
+      return cache.view().v_row(s, h, slot_of[(std::size_t(s) * kHeads + std::size_t(h)) * 64 + std::size_t(p)])[d];
+    };
+    in.query = [&](std::int32_t, std::int32_t qh, std::int32_t d) { return q[std::size_t(qh) * kDim + std::size_t(d)]; };
     for (std::int32_t step = 0; step < 40; ++step) {
-      const std::int32_t s = std::int32_t(rng() % kSeqs);
+      CAPTURE(step);
+      s = std::int32_t(rng() % kSeqs);
       a.append(s);
       b.append(s);
+      std::vector<std::int32_t> slots;
+      const std::int32_t first = model.append(s, 1, slots);
+      for (std::int32_t h = 0; h < kHeads; ++h)
+        slot_of[(std::size_t(s) * kHeads + std::size_t(h)) * 64 + std::size_t(first)] = slots[std::size_t(h)];
       for (float& x : inc) x = static_cast<float>(rng() % 8) / 8.0f;
       for (float& x : q) x = static_cast<float>(rng() % 16) / 16.0f - 0.5f;
       observe(a, s);
@@ -206,12 +268,31 @@ TEST_CASE("evict_to with one token above the target is evict, for every policy")
       std::vector<std::int32_t> counts(kHeads, -1);
       const std::int32_t freed = a.evict(s);
       CHECK(b.evict_to(s, a.budget(), moves.data(), counts.data()) == (freed > 0 ? 1 : 0));
+      evictions += freed;
+      if constexpr (greedy) {
+        CHECK(model.greedy_observe_evict(s, in, [&](std::int32_t h) {
+          for (std::int32_t slot = 0; slot < cap; ++slot)
+            if (model.head(s, h).pos[std::size_t(slot)] >= 0 && a.slots().position(s, h, slot) < 0) return slot;
+          return -1;
+        }));
+      } else {
+        model.observe_evict(s, [&](std::int32_t h, std::int32_t slot) { return inc[std::size_t(h * cap + slot)]; });
+      }
       for (std::int32_t h = 0; h < kHeads; ++h) {
+        CAPTURE(h);
+        const kvtest::model_head& m = model.head(s, h);
         CHECK(counts[std::size_t(h)] == 0);
-        CHECK(a.next_slot(s, h) == b.next_slot(s, h));
+        CHECK(a.next_slot(s, h) == m.next);
+        CHECK(b.next_slot(s, h) == m.next);
         for (std::int32_t slot = 0; slot < cap; ++slot) {
-          CHECK(a.slots().position(s, h, slot) == b.slots().position(s, h, slot));
-          CHECK(a.score(s, h, slot) == b.score(s, h, slot));
+          CHECK(a.slots().position(s, h, slot) == m.pos[std::size_t(slot)]);
+          CHECK(b.slots().position(s, h, slot) == m.pos[std::size_t(slot)]);
+          if constexpr (greedy) {
+            CHECK(close_error(a.score(s, h, slot), m.error[std::size_t(slot)]));
+          } else {
+            CHECK(a.score(s, h, slot) == m.score[std::size_t(slot)]);
+          }
+          CHECK(b.score(s, h, slot) == a.score(s, h, slot));
         }
       }
     }
@@ -240,16 +321,30 @@ TEST_CASE("evict_to with one token above the target is evict, for every policy")
                 cache.view());
     });
   }
+  MESSAGE("evict vs evict_to(budget) against the model: ", evictions, " evictions");
+  CHECK(evictions > 100);
 }
 
-TEST_CASE("evict_to frees what repeated single evictions free (h2o, recent_window, exact_greedy)") {
+TEST_CASE("evict_to frees what repeated single evictions free and keeps the reference model's tokens (h2o, "
+          "recent_window, exact_greedy)") {
   const std::int32_t cap = 20;
   std::vector<float> q(std::size_t(kHeads) * kGroup * kDim), lse(std::size_t(kHeads) * kGroup, 0.0f);
   // a: evict_to(target) at once; b: one victim per call. exact_greedy's
   // evict_to re-scores before every victim, so b's single rounds follow a's.
   // Each has its own cache; rows and increments follow positions, not slots.
+  // a must also leave the reference model's slot table, scores and rows
+  // (support/multi_token_reference.hpp).
+  std::int64_t freed = 0;
   auto drive = [&](auto& a, auto& b) {
     CAPTURE(a.rule().victim);
+    constexpr bool greedy = std::is_same_v<std::decay_t<decltype(a)>, kv::exact_greedy_policy>;
+    kvtest::multi_token_model model(kSeqs, kHeads, cap, model_of(a.config()));
+    kvtest::greedy_inputs in;
+    in.group = kGroup;
+    in.head_dim = kDim;
+    in.key = [](std::int32_t p, std::int32_t h, std::int32_t d) { return row_value(p, h, d) / 64.0f; };
+    in.value = [](std::int32_t p, std::int32_t h, std::int32_t d) { return -row_value(p, h, d) / 64.0f; };
+    in.query = [&](std::int32_t, std::int32_t qh, std::int32_t d) { return q[std::size_t(qh) * kDim + std::size_t(d)]; };
     std::mt19937 rng(11);
     auto cache_a = kv::make_bhsd_cache<float>(kSeqs, kHeads, cap, kDim);
     auto cache_b = kv::make_bhsd_cache<float>(kSeqs, kHeads, cap, kDim);
@@ -284,16 +379,46 @@ TEST_CASE("evict_to frees what repeated single evictions free (h2o, recent_windo
       if (a.slots().count(s, 0) + tokens > cap) continue;
       append(a, cache_a, s, tokens);
       append(b, cache_b, s, tokens);
+      std::vector<std::int32_t> model_slots;
+      model.append(s, tokens, model_slots);
       salt = static_cast<std::uint32_t>(rng());
       for (float& x : q) x = static_cast<float>(rng() % 16) / 16.0f - 0.5f;
       observe(a, cache_a, s);
       observe(b, cache_b, s);
       const std::int32_t target = a.budget();
+      for (std::int32_t h = 0; h < kHeads; ++h) freed += std::max(0, model.head(s, h).count - target);
       a.evict_to(s, target, cache_a.view());
       while (b.slots().count(s, 0) > target) {
         b.evict_to(s, b.slots().count(s, 0) - 1, cache_b.view());
       }
       for (std::int32_t h = 0; h < kHeads; ++h) CHECK(positions_of(a, s, h) == positions_of(b, s, h));
+      std::vector<std::vector<kvtest::model_move>> model_moves;
+      if constexpr (greedy) {
+        model.greedy_observe(s, in);
+        CHECK(model.greedy_evict_to(s, target, in, [&](std::int32_t h) { return positions_of(a, s, h); },
+                                    model_moves));
+      } else {
+        model.observe(s, [&](std::int32_t h, std::int32_t slot) {
+          const std::int32_t pos = model.head(s, h).pos[std::size_t(slot)];
+          return static_cast<float>((std::uint32_t(pos) * 7 + std::uint32_t(h) * 3 + salt) % 8) / 8.0f;
+        });
+        model.evict_to(s, target);
+      }
+      for (std::int32_t h = 0; h < kHeads; ++h) {
+        const kvtest::model_head& m = model.head(s, h);
+        CHECK(a.next_slot(s, h) == m.next);
+        for (std::int32_t slot = 0; slot < cap; ++slot) {
+          const std::int32_t pos = m.pos[std::size_t(slot)];
+          REQUIRE(a.slots().position(s, h, slot) == pos);
+          if constexpr (greedy) CHECK(close_error(a.score(s, h, slot), m.error[std::size_t(slot)]));
+          else CHECK(a.score(s, h, slot) == m.score[std::size_t(slot)]);
+          if (pos >= 0)
+            for (std::int32_t d = 0; d < kDim; ++d) {
+              CHECK(cache_a.view().k_row(s, h, slot)[d] == row_value(pos, h, d) / 64.0f);
+              CHECK(cache_a.view().v_row(s, h, slot)[d] == -row_value(pos, h, d) / 64.0f);
+            }
+        }
+      }
     }
   };
   {
@@ -308,6 +433,8 @@ TEST_CASE("evict_to frees what repeated single evictions free (h2o, recent_windo
     kv::exact_greedy_policy a(shape_of(cap), {9, 2, 1}), b(shape_of(cap), {9, 2, 1});
     drive(a, b);
   }
+  MESSAGE("evict_to at once vs one at a time against the model: ", freed, " tokens freed");
+  CHECK(freed > 60);
 }
 
 TEST_CASE("evict after evict_to decides on the moved slots, not on what observe found before") {
@@ -321,8 +448,26 @@ TEST_CASE("evict after evict_to decides on the moved slots, not on what observe 
   policy.append(0, 12, nullptr);
   policy.observe(0, scores);
   CHECK(policy.evict_to(0, 9, cache.view()) == 3);  // target above the budget 8: rows move into the holes
+  // The victim from scratch: the lowest (score, position) among the
+  // unprotected tokens held now, the scores those observe gave each
+  // position (slot p held position p before the rows moved).
   std::int32_t expected[kHeads], victims[kHeads];
-  for (std::int32_t h = 0; h < kHeads; ++h) expected[h] = policy.choose_victim(0, h);  // the scalar rule, now
+  for (std::int32_t h = 0; h < kHeads; ++h) {
+    std::int32_t best = -1;
+    for (std::int32_t s = 0; s < 16; ++s) {
+      const std::int32_t p = policy.slots().position(0, h, s);
+      if (p < 0 || p >= policy.length(0) - 2) continue;  // free, or one of the recent 2
+      CHECK(policy.score(0, h, s) == inc[std::size_t(h * 16 + p)]);
+      const float score = inc[std::size_t(h * 16 + p)];
+      if (best < 0) {
+        best = s;
+        continue;
+      }
+      const float best_score = inc[std::size_t(h * 16 + policy.slots().position(0, h, best))];
+      if (score < best_score || (score == best_score && p < policy.slots().position(0, h, best))) best = s;
+    }
+    expected[h] = best;
+  }
   CHECK(policy.evict(0, victims) == kHeads);  // 9 tokens, budget 8
   for (std::int32_t h = 0; h < kHeads; ++h) {
     CHECK(victims[h] == expected[h]);
@@ -498,144 +643,224 @@ float hashed_value(std::int32_t position, std::int32_t h, std::int32_t d, std::u
   return static_cast<float>(std::int32_t(x % 65u) - 32) / 32.0f;
 }
 
-/// Runs per-sequence Policy and the batched host backend side by side
-/// through multi-token steps on a cache of dtype T and layout `layout`;
-/// slot tables, scores and K/V bytes must match after every call. Odd steps
-/// take evict_to's moves form (the test moves the rows). exact_greedy
-/// observes queries (batched_observe_evict records every appended row) and
-/// its batched evict_to re-scores with them.
+struct parity_totals {
+  std::int64_t steps = 0, freed = 0, moves = 0, near_ties = 0, greedy_rounds = 0;
+};
+
+/// Runs the batched host backend through multi-token steps on a cache of
+/// dtype T and layout `layout`, against the reference model
+/// (support/multi_token_reference.hpp) written from the definitions: after
+/// every call the slot tables (positions, counts, next slots) must be the
+/// model's, the scores the model's bit for bit (exact_greedy's within 1e-6
+/// of its long-double errors), every occupied slot's K/V rows the rows of
+/// its position, and on the odd steps (evict_to's moves form, the test
+/// moving the rows) the moves the model's refill. exact_greedy observes
+/// queries (batched_observe_evict records every appended row) and its
+/// batched evict_to re-scores with them.
 template <class Policy, class T>
 void run_batched_parity(kvtest::layout_kind layout, const typename kv::policy_traits<Policy>::config_type& config,
-                        std::uint32_t seed) {
+                        std::uint32_t seed, parity_totals& tot) {
   constexpr bool greedy = std::is_same_v<Policy, kv::exact_greedy_policy>;
   const std::int32_t cap = 16;
   const kv::policy_shape shape = shape_of(cap);
   const kv::history_extent history = greedy ? kv::history_extent{128, kDim} : kv::history_extent{};
-  Policy single(shape, config);
+  kvtest::multi_token_model model(kSeqs, kHeads, cap, model_of(config));
+  const std::int32_t budget = model_of(config).budget;
   std::vector<unsigned char> memory(kv::batch_state_bytes<Policy>(shape, config, history));
   const kv::batch_state_view st = kv::make_batch_state<Policy>(memory.data(), memory.size(), shape, config, history);
   kv::init_batch_state(st);
   std::mt19937 rng(seed);
-  kvtest::with_cache<T>(layout, kSeqs, kHeads, cap, kDim, 4, [&](auto view_a) {
-    kvtest::with_cache<T>(layout, kSeqs, kHeads, cap, kDim, 4, [&](auto view_b) {
-      std::vector<float> inc(std::size_t(kSeqs) * kHeads * cap);
-      std::vector<float> q(std::size_t(kSeqs) * kHeads * kGroup * kDim), lse(std::size_t(kSeqs) * kHeads * kGroup);
-      const kv::batch_queries<float> queries{kv::make_tensor_view<const float>(q.data(), kSeqs, kHeads * kGroup, kDim),
-                                             kv::make_tensor_view<const float>(lse.data(), kSeqs, kHeads * kGroup),
-                                             0.5f};
-      std::vector<kv::slot_move> moves(std::size_t(kSeqs) * kHeads * cap);
-      std::vector<std::int32_t> move_counts(std::size_t(kSeqs) * kHeads, -1);
-      std::uint64_t status = kv::batch_status_clear;
-      std::int32_t freed_total = 0;
-      for (std::int32_t step = 0; step < 25; ++step) {
-        const std::int32_t tokens = 1 + std::int32_t(rng() % 4);
-        std::vector<std::uint8_t> flags(kSeqs, 0);
-        for (std::int32_t b = 0; b < kSeqs; ++b)
-          flags[std::size_t(b)] = single.slots().count(b, 0) + tokens <= cap && rng() % 4 != 0;
-        const auto active = kv::active_set::of_flags(flags.data());
-        kv::batched_append_tokens(st, active, tokens, &status);
-        for (std::int32_t b = 0; b < kSeqs; ++b) {
-          if (!flags[std::size_t(b)]) continue;
-          std::vector<std::int32_t> slots(std::size_t(kHeads) * tokens);
-          const std::int32_t first = single.append(b, tokens, slots.data());
-          for (std::int32_t h = 0; h < kHeads; ++h)
-            for (std::int32_t j = 0; j < tokens; ++j)
-              for (std::int32_t d = 0; d < kDim; ++d) {
-                const T k = kv::from_float<T>(hashed_value(first + j, h, d, seed));
-                const T v = kv::from_float<T>(hashed_value(first + j, h, d, ~seed));
-                const std::int32_t s = slots[std::size_t(h * tokens + j)];
-                view_a.k_row(b, h, s)[d] = k;
-                view_a.v_row(b, h, s)[d] = v;
-                view_b.k_row(b, h, s)[d] = k;
-                view_b.v_row(b, h, s)[d] = v;
-              }
-        }
-        for (float& x : inc) x = static_cast<float>(rng() % 8) / 8.0f;
-        for (float& x : q) x = static_cast<float>(rng() % 33) / 16.0f - 1.0f;
-        if constexpr (greedy) {
-          kv::batched_observe_evict(st, active, queries, view_b, nullptr, &status);
-        } else {
-          kv::batched_observe_evict(
-              st, active, kv::batch_head_scores{kv::make_tensor_view<const float>(inc.data(), kSeqs, kHeads, cap)},
-              nullptr, &status);
-        }
-        const std::int32_t target = single.budget() - std::int32_t(rng() % 2);
-        for (std::int32_t b = 0; b < kSeqs; ++b) {
-          if (!flags[std::size_t(b)]) continue;
-          if constexpr (greedy) {
-            // evict_to right after observe: its first victim is evict's (the
-            // one batched observe + evict freed), and it re-scores before
-            // each further one, as the batched pair does.
-            const std::size_t rows = std::size_t(b) * kHeads * kGroup;
-            single.observe(b,
-                           kv::decode_queries<float>{
-                               kv::make_tensor_view<const float>(q.data() + rows * kDim, kHeads * kGroup, kDim),
-                               kv::make_tensor_view<const float>(lse.data() + rows, kHeads * kGroup), 0.5f},
-                           view_a);
-          } else {
-            single.observe(b, kv::head_scores{kv::make_tensor_view<const float>(
-                                  inc.data() + std::size_t(b) * kHeads * cap, kHeads, cap)});
-            single.evict(b);
-          }
-          freed_total += single.evict_to(b, target, view_a);
-        }
-        if (step % 2 == 0) {
-          if constexpr (greedy) kv::batched_evict_to(st, active, target, queries, view_b, nullptr, &status);
-          else kv::batched_evict_to(st, active, target, view_b, nullptr, &status);
-        } else {
-          if constexpr (greedy) kv::batched_evict_to(st, active, target, queries, moves.data(), move_counts.data(), &status);
-          else kv::batched_evict_to(st, active, target, moves.data(), move_counts.data(), &status);
-          for (std::int32_t b = 0; b < kSeqs; ++b)
-            for (std::int32_t h = 0; h < kHeads; ++h) {
-              const std::int64_t bh = st.head_index(b, h);
-              if (!flags[std::size_t(b)]) continue;
-              for (std::int32_t i = 0; i < move_counts[std::size_t(bh)]; ++i) {
-                const kv::slot_move m = moves[std::size_t(bh) * cap + std::size_t(i)];
-                std::copy_n(view_b.k_row(b, h, m.from), kDim, view_b.k_row(b, h, m.to));
-                std::copy_n(view_b.v_row(b, h, m.from), kDim, view_b.v_row(b, h, m.to));
-              }
+  // The K/V rows of (position, head), as T holds them.
+  const auto key_of = [&](std::int32_t p, std::int32_t h, std::int32_t d) {
+    return kv::from_float<T>(hashed_value(p, h, d, seed));
+  };
+  const auto value_of = [&](std::int32_t p, std::int32_t h, std::int32_t d) {
+    return kv::from_float<T>(hashed_value(p, h, d, ~seed));
+  };
+  kvtest::with_cache<T>(layout, kSeqs, kHeads, cap, kDim, 4, [&](auto view) {
+    std::vector<float> inc(std::size_t(kSeqs) * kHeads * cap);
+    std::vector<float> q(std::size_t(kSeqs) * kHeads * kGroup * kDim), lse(std::size_t(kSeqs) * kHeads * kGroup);
+    const kv::batch_queries<float> queries{kv::make_tensor_view<const float>(q.data(), kSeqs, kHeads * kGroup, kDim),
+                                           kv::make_tensor_view<const float>(lse.data(), kSeqs, kHeads * kGroup),
+                                           0.5f};
+    kvtest::greedy_inputs in;
+    in.group = kGroup;
+    in.head_dim = kDim;
+    in.scale = 0.5L;
+    in.key = [&](std::int32_t p, std::int32_t h, std::int32_t d) { return kv::to_float(key_of(p, h, d)); };
+    in.value = [&](std::int32_t p, std::int32_t h, std::int32_t d) { return kv::to_float(value_of(p, h, d)); };
+    in.query = [&](std::int32_t b, std::int32_t qh, std::int32_t d) {
+      return q[(std::size_t(b) * kHeads * kGroup + std::size_t(qh)) * kDim + std::size_t(d)];
+    };
+    std::vector<kv::slot_move> moves(std::size_t(kSeqs) * kHeads * cap);
+    std::vector<std::int32_t> move_counts(std::size_t(kSeqs) * kHeads, -1), victims(std::size_t(kSeqs) * kHeads, -2);
+    std::uint64_t status = kv::batch_status_clear;
+    // Rows each sequence appended since its last observe (exact_greedy's
+    // history records them at the observe).
+    std::vector<std::int32_t> unobserved(std::size_t(kSeqs), 0);
+    const auto check_state = [&](const char* after) {
+      CAPTURE(std::string(after));
+      kvtest::check_slot_invariants(st);
+      for (std::int32_t b = 0; b < kSeqs; ++b) {
+        CAPTURE(b);
+        REQUIRE(st.slots.lengths[b] == model.length(b));
+        for (std::int32_t h = 0; h < kHeads; ++h) {
+          CAPTURE(h);
+          const kvtest::model_head& m = model.head(b, h);
+          const std::int64_t bh = st.head_index(b, h);
+          REQUIRE(st.slots.counts[bh] == m.count);
+          CHECK(st.slots.next_slots[bh] == m.next);
+          if constexpr (greedy) CHECK(st.history.rows[bh] == model.length(b) - unobserved[std::size_t(b)]);
+          for (std::int32_t s = 0; s < cap; ++s) {
+            CAPTURE(s);
+            const std::int32_t p = m.pos[std::size_t(s)];
+            REQUIRE(st.slots.positions_of(b, h)[s] == p);
+            if constexpr (greedy) {
+              if (p >= 0)
+                CHECK_MESSAGE(close_error(st.scores_of(b, h)[s], m.error[std::size_t(s)]), "library ",
+                              double(st.scores_of(b, h)[s]), ", model ", double(m.error[std::size_t(s)]));
+              else CHECK(st.scores_of(b, h)[s] == 0.0f);
+            } else {
+              CHECK(st.scores_of(b, h)[s] == m.score[std::size_t(s)]);
             }
-        }
-        REQUIRE(status == kv::batch_status_clear);
-        kvtest::check_slot_invariants(st);
-        for (std::int32_t b = 0; b < kSeqs; ++b)
-          for (std::int32_t h = 0; h < kHeads; ++h) {
-            CHECK(st.slots.counts[st.head_index(b, h)] == single.slots().count(b, h));
-            CHECK(st.slots.next_slots[st.head_index(b, h)] == single.next_slot(b, h));
-            if constexpr (greedy) CHECK(st.history.rows[st.head_index(b, h)] == single.history_length(b, h));
-            for (std::int32_t s = 0; s < cap; ++s) {
-              CHECK(st.slots.positions_of(b, h)[s] == single.slots().position(b, h, s));
-              CHECK(st.scores_of(b, h)[s] == single.score(b, h, s));
-              if (single.slots().position(b, h, s) >= 0) {
-                CHECK(kvtest::same_bits(view_a.k_row(b, h, s), view_b.k_row(b, h, s), kDim));
-                CHECK(kvtest::same_bits(view_a.v_row(b, h, s), view_b.v_row(b, h, s), kDim));
-              }
+            if (p < 0) continue;
+            for (std::int32_t d = 0; d < kDim; ++d) {
+              const T k = key_of(p, h, d), v = value_of(p, h, d);
+              CHECK(kvtest::same_bits(view.k_row(b, h, s) + d, &k, 1));
+              CHECK(kvtest::same_bits(view.v_row(b, h, s) + d, &v, 1));
             }
           }
+        }
       }
-      CHECK(freed_total > 0);  // the streams did evict
-    });
+    };
+    for (std::int32_t step = 0; step < 25; ++step) {
+      CAPTURE(step);
+      const std::int32_t tokens = 1 + std::int32_t(rng() % 4);
+      std::vector<std::uint8_t> flags(kSeqs, 0);
+      for (std::int32_t b = 0; b < kSeqs; ++b)
+        flags[std::size_t(b)] = model.head(b, 0).count + tokens <= cap && rng() % 4 != 0;
+      const auto active = kv::active_set::of_flags(flags.data());
+      kv::batched_append_tokens(st, active, tokens, &status);
+      for (std::int32_t b = 0; b < kSeqs; ++b) {
+        if (!flags[std::size_t(b)]) continue;
+        std::vector<std::int32_t> slots;
+        const std::int32_t first = model.append(b, tokens, slots);
+        unobserved[std::size_t(b)] = tokens;
+        for (std::int32_t h = 0; h < kHeads; ++h)  // the engine writes the rows where the model says
+          for (std::int32_t j = 0; j < tokens; ++j)
+            for (std::int32_t d = 0; d < kDim; ++d) {
+              const std::int32_t s = slots[std::size_t(h * tokens + j)];
+              view.k_row(b, h, s)[d] = key_of(first + j, h, d);
+              view.v_row(b, h, s)[d] = value_of(first + j, h, d);
+            }
+      }
+      REQUIRE(status == kv::batch_status_clear);
+      check_state("append");
+      for (float& x : inc) x = static_cast<float>(rng() % 8) / 8.0f;
+      for (float& x : q) x = static_cast<float>(rng() % 33) / 16.0f - 1.0f;
+      if constexpr (greedy) {
+        kv::batched_observe_evict(st, active, queries, view, victims.data(), &status);
+      } else {
+        kv::batched_observe_evict(
+            st, active, kv::batch_head_scores{kv::make_tensor_view<const float>(inc.data(), kSeqs, kHeads, cap)},
+            victims.data(), &status);
+      }
+      REQUIRE(status == kv::batch_status_clear);
+      std::fill(unobserved.begin(), unobserved.end(), 0);  // every appended row recorded
+      for (std::int32_t b = 0; b < kSeqs; ++b) {
+        if (!flags[std::size_t(b)]) continue;
+        if constexpr (greedy) {
+          CHECK(model.greedy_observe_evict(b, in, [&](std::int32_t h) { return victims[std::size_t(b * kHeads + h)]; }));
+        } else {
+          model.observe_evict(b, [&](std::int32_t h, std::int32_t s) {
+            return inc[(std::size_t(b) * kHeads + std::size_t(h)) * cap + std::size_t(s)];
+          });
+        }
+        for (std::int32_t h = 0; h < kHeads; ++h)  // the freed slot of each head, or -1
+          CHECK(victims[std::size_t(b * kHeads + h)] == model.last_victims()[std::size_t(h)]);
+      }
+      check_state("observe + evict");
+      const std::int32_t target = budget - std::int32_t(rng() % 2);
+      std::vector<std::vector<std::vector<kvtest::model_move>>> want_moves(kSeqs);
+      if (step % 2 == 0) {
+        if constexpr (greedy) kv::batched_evict_to(st, active, target, queries, view, nullptr, &status);
+        else kv::batched_evict_to(st, active, target, view, nullptr, &status);
+      } else {
+        if constexpr (greedy) kv::batched_evict_to(st, active, target, queries, moves.data(), move_counts.data(), &status);
+        else kv::batched_evict_to(st, active, target, moves.data(), move_counts.data(), &status);
+      }
+      REQUIRE(status == kv::batch_status_clear);
+      for (std::int32_t b = 0; b < kSeqs; ++b) {
+        if (!flags[std::size_t(b)]) continue;
+        for (std::int32_t h = 0; h < kHeads; ++h)
+          tot.freed += std::max(0, model.head(b, h).count - target);
+        if constexpr (greedy) {
+          CHECK(model.greedy_evict_to(
+              b, target, in,
+              [&](std::int32_t h) {
+                std::set<std::int32_t> kept;
+                for (std::int32_t s = 0; s < cap; ++s)
+                  if (st.slots.positions_of(b, h)[s] >= 0) kept.insert(st.slots.positions_of(b, h)[s]);
+                return kept;
+              },
+              want_moves[std::size_t(b)]));
+        } else {
+          want_moves[std::size_t(b)] = model.evict_to(b, target);
+        }
+        for (std::int32_t h = 0; h < kHeads; ++h) {
+          const std::vector<kvtest::model_move>& want = want_moves[std::size_t(b)][std::size_t(h)];
+          tot.moves += std::int64_t(want.size());
+          if (step % 2 == 0) continue;
+          // The moves form: the model's refill, which the test (the engine) carries out.
+          const std::int64_t bh = st.head_index(b, h);
+          REQUIRE(move_counts[std::size_t(bh)] == std::int32_t(want.size()));
+          for (std::size_t i = 0; i < want.size(); ++i) {
+            const kv::slot_move m = moves[std::size_t(bh) * cap + i];
+            CHECK(m.from == want[i].from);
+            CHECK(m.to == want[i].to);
+            std::copy_n(view.k_row(b, h, m.from), kDim, view.k_row(b, h, m.to));
+            std::copy_n(view.v_row(b, h, m.from), kDim, view.v_row(b, h, m.to));
+          }
+        }
+      }
+      check_state("evict_to");
+      ++tot.steps;
+    }
   });
+  tot.near_ties += model.near_ties();
+  tot.greedy_rounds += model.greedy_rounds();
 }
 
 template <class T>
-void batched_parity_all_layouts() {
+void batched_parity_all_layouts(parity_totals (&tot)[4]) {
   for (const auto layout : kvtest::all_layouts)
     for (std::uint32_t seed = 1; seed <= 3; ++seed) {
-      CAPTURE(kvtest::name(layout));
-      run_batched_parity<kv::h2o_policy, T>(layout, {6, 3}, seed);
-      run_batched_parity<kv::recent_window_policy, T>(layout, {2, 7}, seed);
-      run_batched_parity<kv::random_policy, T>(layout, {9, 1, 2, 77}, seed);
-      run_batched_parity<kv::exact_greedy_policy, T>(layout, {9, 2, 1}, seed);
+      CAPTURE(std::string(kvtest::name(layout)));
+      CAPTURE(seed);
+      run_batched_parity<kv::h2o_policy, T>(layout, {6, 3}, seed, tot[0]);
+      run_batched_parity<kv::recent_window_policy, T>(layout, {2, 7}, seed, tot[1]);
+      run_batched_parity<kv::random_policy, T>(layout, {9, 1, 2, 77}, seed, tot[2]);
+      run_batched_parity<kv::exact_greedy_policy, T>(layout, {9, 2, 1}, seed, tot[3]);
     }
 }
 
 }  // namespace
 
-TEST_CASE("batched multi-token append and evict_to equal the per-sequence policies, every dtype x layout") {
-  batched_parity_all_layouts<float>();
-  batched_parity_all_layouts<kv::half>();
-  batched_parity_all_layouts<kv::bfloat16>();
+TEST_CASE("batched multi-token append, observe + evict and evict_to equal the reference model, every dtype x layout") {
+  parity_totals tot[4];
+  batched_parity_all_layouts<float>(tot);
+  batched_parity_all_layouts<kv::half>(tot);
+  batched_parity_all_layouts<kv::bfloat16>(tot);
+  const char* names[4] = {"h2o", "recent_window", "random", "exact_greedy"};
+  for (int i = 0; i < 4; ++i) {
+    MESSAGE(std::string(names[i]), ": ", tot[i].steps, " steps against the model, ", tot[i].freed, " tokens freed by evict_to, ",
+            tot[i].moves, " rows moved by the refill",
+            i == 3 ? ", greedy rounds scored: " + std::to_string(tot[i].greedy_rounds) +
+                         ", near ties followed: " + std::to_string(tot[i].near_ties)
+                   : std::string());
+    CHECK(tot[i].freed > 100);
+    CHECK(tot[i].moves > 50);
+  }
 }
 
 TEST_CASE("batched evict_to writes the moves and counts of the active sequences only") {
@@ -780,4 +1005,20 @@ TEST_CASE("batched evict_to: an unobserved head is refused and left unchanged; e
   CHECK(eg_state.slots.counts[eg_state.head_index(1, 1)] == 8);
   CHECK(eg_state.slots.counts[eg_state.head_index(1, 0)] == 6);
   CHECK(eg_state.slots.counts[eg_state.head_index(0, 1)] == 6);
+
+  // exact_greedy never reads the LSE (it scores with its own softmax over
+  // the history): queries without one are taken, as by the per-sequence
+  // call; h2o's queries input needs it and the refusal names it.
+  q[(std::size_t(1) * kHeads * kGroup + 3) * kDim + 2] = 0.25f;
+  const kv::batch_queries<float> no_lse{kv::make_tensor_view<const float>(q.data(), kSeqs, kHeads * kGroup, kDim), {},
+                                        0.5f};
+  status = kv::batch_status_clear;
+  kv::batched_evict_to(eg_state, kv::active_set::all(), 5, no_lse, cache.view(), nullptr, &status);
+  CHECK(status == kv::batch_status_clear);
+  for (std::int32_t b = 0; b < kSeqs; ++b)
+    for (std::int32_t h = 0; h < kHeads; ++h) CHECK(eg_state.slots.counts[eg_state.head_index(b, h)] == 5);
+  const std::vector<float> h2o_before(st.scores_of(0, 0), st.scores_of(0, 0) + 12);
+  CHECK_THROWS_WITH_AS(kv::batched_observe_evict(st, kv::active_set::all(), no_lse, cache.view(), nullptr, &status),
+                       doctest::Contains("'lse'"), kv::invalid_argument);
+  CHECK(std::vector<float>(st.scores_of(0, 0), st.scores_of(0, 0) + 12) == h2o_before);
 }
