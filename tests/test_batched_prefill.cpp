@@ -47,25 +47,6 @@ using kvtest::layout_kind;
 // ---------------------------------------------------------------------------
 // The canonical order.
 
-/// The order spelled out by hand: chunks of 64 rows aligned at multiples of
-/// 64, each summed from its first row, partials added in ascending chunks.
-float chunked_reference(const std::vector<float>& column, std::int32_t p) {
-  const std::int32_t length = static_cast<std::int32_t>(column.size());
-  float total = 0.0f;
-  bool started = false;
-  for (std::int32_t first = (p / 64) * 64; first < length; first += 64) {
-    float part = 0.0f;
-    bool any = false;
-    for (std::int32_t i = std::max(first, p); i < std::min(first + 64, length); ++i) {
-      part = any ? part + column[std::size_t(i)] : column[std::size_t(i)];
-      any = true;
-    }
-    total = started ? total + part : part;
-    started = true;
-  }
-  return total;
-}
-
 bool same_float(float a, float b) { return std::memcmp(&a, &b, sizeof a) == 0; }
 
 /// Column 0 of a 66-row prompt with 64 ones and two values of 2^-18 after
@@ -92,7 +73,7 @@ TEST_CASE("prefill column sums: chunks of 64 rows, partials in ascending chunk o
     for (float& x : column) x = u(rng) * u(rng);
     for (std::int32_t p = 0; p < length; p += std::max(1, length / 17)) {
       const float got = prefill_column_sum(p, length, [&](std::int32_t i) { return column[std::size_t(i)]; });
-      CHECK(same_float(got, chunked_reference(column, p)));
+      CHECK(same_float(got, kvtest::reference_column_sum(p, length, [&](std::int32_t i) { return column[std::size_t(i)]; })));
       if (length <= 64) {  // the plain left-to-right sum
         float plain = 0.0f;
         for (std::int32_t i = p; i < length; ++i) plain += column[std::size_t(i)];
