@@ -6,19 +6,23 @@ it; :class:`kvevict.BatchedPolicy` routes through these ops while compiling.
 Importing this module registers them.
 
 Each op takes the policy's state tensor (mutated) and its descriptor
-``desc`` (:attr:`BatchedPolicy.descriptor`: the integers that say how the
-state is laid out), and runs on the state's device: the host backend for CPU
+``desc`` (:attr:`BatchedPolicy.descriptor`: ``PolicySpec.encode()``, the
+spec as the integers a schema can carry; only ``PolicySpec.decode`` reads
+them), and runs on the state's device: the host backend for CPU
 tensors, the CUDA launchers on torch's current stream for CUDA tensors.
 Bad data raises on CPU when the op returns; on CUDA it is recorded in the
 state and raised by :meth:`BatchedPolicy.check`.
 
-``layout``: 0 bhsd, 1 bshd, 2 paged nhd, 3 paged hnd (:class:`CacheView`).
-``input``: observe_evict 0 probs, 1 head scores, 2 logits (queries + LSE and
-key norms have their own ops, which read the cache);
-prefill 0 probs, 1 column sums, 2 queries, 3 none, 4 key norms (also its own
-op, prefill_key_norms); prefill_key_diff takes none (the cached keys alone);
-prefill_snapkv 0 window probs, 1 window logits + LSE,
-2 window queries + LSE. ``base``: 0 natural, 1 base 2. ``pooling``: 0 max, 1 mean.
+The int arguments carry the extension's enums by value: ``layout`` a
+``_ext.CacheLayout`` (0 bhsd, 1 bshd, 2 paged nhd, 3 paged hnd;
+:class:`CacheView`); ``input`` of observe_evict a ``_ext.DecodeInput``
+(probs, head_scores, logits: queries + LSE and key norms have their own
+ops, which read the cache), of prefill a ``_ext.PrefillInput`` (probs,
+sums, queries, none, key_norms: also its own op, prefill_key_norms);
+prefill_key_diff takes none (the cached keys alone); prefill_snapkv's
+``input`` is 0 window probs, 1 window logits + LSE, 2 window queries +
+LSE. ``base``: a ``_ext.LseBase`` (0 natural, 1 base 2). ``pooling``: a
+``_ext.SnapPooling`` (0 max, 1 mean).
 """
 
 from __future__ import annotations
@@ -51,13 +55,15 @@ __all__ = [
 ]
 
 _descriptors: Dict[Tuple[int, ...], _ext.Descriptor] = {}
+_shapes: Dict[Tuple[int, ...], Tuple[int, int, int]] = {}
 
 
 def _descriptor(desc: Sequence[int]) -> _ext.Descriptor:
     key = tuple(desc)
     d = _descriptors.get(key)
     if d is None:
-        d = _descriptors[key] = _ext.Descriptor(list(key))
+        d = _descriptors[key] = _ext.Descriptor(_ext.PolicySpec.decode(list(key)))
+        _shapes[key] = (d.spec.num_seqs, d.spec.num_kv_heads, d.spec.capacity)
     return d
 
 
@@ -65,9 +71,22 @@ def _stream(state: Tensor) -> int:
     return torch.cuda.current_stream(state.device).cuda_stream if state.is_cuda else 0
 
 
-def _heads(desc: Sequence[int]) -> Tuple[int, int]:
-    return desc[1], desc[2]  # num_seqs, num_kv_heads
+def _shape(desc: Sequence[int]) -> Tuple[int, int, int]:
+    """(num_seqs, num_kv_heads, capacity) of the spec `desc` encodes."""
+    key = tuple(desc)
+    s = _shapes.get(key)
+    if s is None:
+        _descriptor(key)
+        s = _shapes[key]
+    return s
 
+
+def _heads(desc: Sequence[int]) -> Tuple[int, int]:
+    s = _shape(desc)
+    return s[0], s[1]  # num_seqs, num_kv_heads
+
+
+_SNAP_INPUTS = (_ext.PrefillInput.window_probs, _ext.PrefillInput.window_logits, _ext.PrefillInput.window_queries)
 
 _lib = Library("kvevict", "DEF")  # the ops live as long as this object
 _kernels: Dict[str, Callable[..., Any]] = {}  # by op name (the benchmark registers them as custom_op too)
@@ -282,8 +301,15 @@ def _prefill(state, desc, lengths, max_length, input, x, lse, scale, base, k_cac
              active, snap=None):
     """snap None: _ext.prefill; else (pool_width, pooling): _ext.prefill_snapkv."""
     d = _descriptor(desc)
-    reclaimable = torch.zeros(desc[1], dtype=torch.int32, device=state.device)
+    reclaimable = torch.zeros(_shape(desc)[0], dtype=torch.int32, device=state.device)
     call = _ext.prefill if snap is None else _ext.prefill_snapkv
+    if snap is not None:
+        if not 0 <= input <= 2:
+            raise _ext.InvalidArgument(
+                f"kvevict::python::prefill: argument 'input' = {input} is not 0 (window probs), 1 (window logits) "
+                "or 2 (window queries)"
+            )
+        input = _SNAP_INPUTS[input]
     params = () if snap is None else tuple(snap)
 
     def args():  # DLPack capsules are used once: fresh ones per call
@@ -306,7 +332,7 @@ def _with_workspace(state, call, args):
 
 @register_fake(prefill)
 def _(state, desc, lengths, max_length, input, x, lse, scale, base, k_cache, v_cache, page_table, layout, active=None):
-    return state.new_empty((desc[1],), dtype=torch.int32)
+    return state.new_empty((_shape(desc)[0],), dtype=torch.int32)
 
 
 @_op("state", "k_cache", "v_cache")
@@ -325,13 +351,13 @@ def prefill_key_norms(
     keys (position p scores -||k|| of slot p; h2o: with decay 0,
     ``H2OConfig.key_norm``); returns the reclaimable trailing pages per
     sequence, int32 [B]. The same as ``prefill`` with input 4."""
-    return _prefill(state, desc, lengths, max_length, 4, None, None, 1.0, 0, k_cache, v_cache, page_table, layout,
-                    active)
+    return _prefill(state, desc, lengths, max_length, _ext.PrefillInput.key_norms, None, None, 1.0, 0, k_cache,
+                    v_cache, page_table, layout, active)
 
 
 @register_fake(prefill_key_norms)
 def _(state, desc, lengths, max_length, k_cache, v_cache, page_table, layout, active=None):
-    return state.new_empty((desc[1],), dtype=torch.int32)
+    return state.new_empty((_shape(desc)[0],), dtype=torch.int32)
 
 
 @_op("state", "k_cache", "v_cache")
@@ -352,7 +378,7 @@ def prefill_key_diff(
     the others are kept beside the sinks and the recent window. Any h2o
     config; returns the reclaimable trailing pages per sequence, int32 [B]."""
     d = _descriptor(desc)
-    reclaimable = torch.zeros(desc[1], dtype=torch.int32, device=state.device)
+    reclaimable = torch.zeros(_shape(desc)[0], dtype=torch.int32, device=state.device)
 
     def args():  # DLPack capsules are used once: fresh ones per call
         return (d, _a(state), _a(lengths), max_length, layout, _a(k_cache), _a(v_cache), _a(page_table),
@@ -364,7 +390,7 @@ def prefill_key_diff(
 
 @register_fake(prefill_key_diff)
 def _(state, desc, lengths, max_length, k_cache, v_cache, page_table, layout, active=None):
-    return state.new_empty((desc[1],), dtype=torch.int32)
+    return state.new_empty((_shape(desc)[0],), dtype=torch.int32)
 
 
 @_op("state", "k_cache", "v_cache")
@@ -400,7 +426,7 @@ def prefill_snapkv(
 @register_fake(prefill_snapkv)
 def _(state, desc, lengths, max_length, input, x, lse, scale, base, pool_width, pooling, k_cache, v_cache, page_table,
       layout, active=None):
-    return state.new_empty((desc[1],), dtype=torch.int32)
+    return state.new_empty((_shape(desc)[0],), dtype=torch.int32)
 
 
 @_op("state")
@@ -448,8 +474,8 @@ def _(state, desc, target, k_cache, v_cache, page_table, layout, queries=None, l
 def evict_to_moves(state: Tensor, desc: List[int], target: int, active: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """evict_to(target) reporting the row moves instead of making them:
     (moves int32 [B, Hkv, capacity, 2] of (from, to), move_counts int32 [B, Hkv])."""
-    B, H = _heads(desc)
-    moves = torch.full((B, H, desc[4], 2), -1, dtype=torch.int32, device=state.device)
+    B, H, C = _shape(desc)
+    moves = torch.full((B, H, C, 2), -1, dtype=torch.int32, device=state.device)
     counts = torch.zeros((B, H), dtype=torch.int32, device=state.device)
     _ext.evict_to_moves(_descriptor(desc), _a(state), target, _a(moves), _a(counts), _a(active), _stream(state))
     return moves, counts
@@ -457,5 +483,5 @@ def evict_to_moves(state: Tensor, desc: List[int], target: int, active: Optional
 
 @register_fake(evict_to_moves)
 def _(state, desc, target, active=None):
-    B, H = _heads(desc)
-    return state.new_empty((B, H, desc[4], 2), dtype=torch.int32), state.new_empty((B, H), dtype=torch.int32)
+    B, H, C = _shape(desc)
+    return state.new_empty((B, H, C, 2), dtype=torch.int32), state.new_empty((B, H), dtype=torch.int32)

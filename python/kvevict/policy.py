@@ -30,19 +30,24 @@ import numpy as np
 from . import _ext
 from ._arrays import for_ext, is_torch
 from .cache import LAYOUT_CODES, CacheView, Layout
-from .config import ExactGreedyConfig, PolicyConfig, SnapKV, descriptor_values
+from .config import ExactGreedyConfig, PolicyConfig, SnapKV, policy_spec
 
 LseBase = Literal["natural", "base2"]
-_BASES = {"natural": 0, "base2": 1}
+_BASES = {"natural": _ext.LseBase.natural, "base2": _ext.LseBase.base2}
+_DecodeInput = _ext.DecodeInput
+_PrefillInput = _ext.PrefillInput
 
 
-def _base_code(base: LseBase) -> int:
+def _base_code(base: LseBase) -> "_ext.LseBase":
     try:
         return _BASES[base]
     except KeyError:
         raise _ext.InvalidArgument(
             f"kvevict: argument 'base' = {base!r} is not 'natural' (FlashAttention) or 'base2' (FlashInfer)"
         ) from None
+
+
+_SNAP_INPUTS = (_PrefillInput.window_probs, _PrefillInput.window_logits, _PrefillInput.window_queries)
 
 
 class BatchedPolicy:
@@ -93,10 +98,13 @@ class BatchedPolicy:
         self.num_kv_heads = num_kv_heads
         self.num_q_heads = num_q_heads
         self.capacity = capacity
-        self.descriptor: Tuple[int, ...] = descriptor_values(
+        self.spec: _ext.PolicySpec = policy_spec(
             config, num_seqs, num_kv_heads, num_q_heads, capacity, max_tokens or 0, head_dim or 0
         )
-        self._desc = _ext.Descriptor(list(self.descriptor))  # validates the shape and config
+        """The typed spec: kind, shape and config fields by name."""
+        self.descriptor: Tuple[int, ...] = tuple(self.spec.encode())
+        """``spec.encode()``: the ``desc`` argument of the ``torch.ops.kvevict`` ops."""
+        self._desc = _ext.Descriptor(self.spec)  # validates the shape and config
         self.budget: int = self._desc.budget
         if device is None:
             self._torch = None
@@ -285,7 +293,11 @@ class BatchedPolicy:
             raise _ext.InvalidArgument("kvevict.observe_evict: argument 'lse' is required with 'logits'")
         if logits is None and lse is not None:
             raise _ext.InvalidArgument("kvevict.observe_evict: argument 'lse' goes with 'logits' or 'queries'")
-        kind, x = (0, probs) if probs is not None else (1, head_scores) if head_scores is not None else (2, logits)
+        kind, x = (
+            (_DecodeInput.probs, probs) if probs is not None
+            else (_DecodeInput.head_scores, head_scores) if head_scores is not None
+            else (_DecodeInput.logits, logits)
+        )  # fmt: skip
         if self._compiling():
             return self._ops().observe_evict(self.state, self.descriptor, kind, x, lse, float(scale), base_code, active)
         victims = self._victims(out)
@@ -410,8 +422,13 @@ class BatchedPolicy:
         lengths = self._array(lengths, np.int32)
         if max_length is None:
             max_length = int(lengths.max()) if len(lengths) else 0
-        kind, x = (0, probs) if probs is not None else (1, column_sums) if column_sums is not None else (2, queries) if queries is not None else (3, None)
-        if kind == 2 and lse is None:
+        kind, x = (
+            (_PrefillInput.probs, probs) if probs is not None
+            else (_PrefillInput.sums, column_sums) if column_sums is not None
+            else (_PrefillInput.queries, queries) if queries is not None
+            else (_PrefillInput.none, None)
+        )  # fmt: skip
+        if kind == _PrefillInput.queries and lse is None:
             raise _ext.InvalidArgument("kvevict.prefill: argument 'lse' is required with 'queries'")
         base_code = _base_code(base)
         active = self._active(active)
@@ -465,7 +482,8 @@ class BatchedPolicy:
             lambda lengths, m, active: self._ops().prefill_key_norms(
                 self.state, self.descriptor, lengths, m, cache.k, cache.v, cache.page_table, cache._code, active),
             lambda lengths, m, reclaimable, active: _ext.prefill(
-                self._desc, for_ext(self.state), for_ext(lengths), m, 4, None, None, 1.0, 0, cache._code,
+                self._desc, for_ext(self.state), for_ext(lengths), m, _PrefillInput.key_norms, None, None, 1.0,
+                _BASES["natural"], cache._code,
                 cache._ext_k(), cache._ext_v(), for_ext(cache.page_table), for_ext(reclaimable), for_ext(active),
                 None, 0),
         )  # fmt: skip
@@ -592,6 +610,7 @@ class BatchedPolicy:
             raise _ext.InvalidArgument(
                 "kvevict.prefill_snapkv: argument 'cache' must be a CacheView (K and V: the kept rows move)"
             )
+        # the op's input code (0 probs, 1 logits, 2 queries) and the extension's
         kind, x = (0, probs) if probs is not None else (1, logits) if logits is not None else (2, queries)
         if kind and lse is None:
             raise _ext.InvalidArgument(f"kvevict.prefill_snapkv: argument 'lse' is required with '{given[0]}'")
@@ -612,7 +631,8 @@ class BatchedPolicy:
             )  # fmt: skip
         reclaimable = self._new_int32((self.num_seqs,), 0)
         _ext.prefill_snapkv(
-            self._desc, for_ext(self.state), for_ext(lengths), int(max_length), kind, for_ext(x), for_ext(lse),
+            self._desc, for_ext(self.state), for_ext(lengths), int(max_length), _SNAP_INPUTS[kind], for_ext(x),
+            for_ext(lse),
             float(scale), base_code, pool_width, pooling, cache._code, cache._ext_k(), cache._ext_v(),
             for_ext(cache.page_table), for_ext(reclaimable), for_ext(active), None, 0,
         )  # fmt: skip

@@ -20,11 +20,14 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
 #include "common.hpp"
+#include "spec_codec.hpp"
 #ifdef KVEVICT_PY_CUDA
 #include "cuda_backend.hpp"
 #endif
@@ -226,35 +229,11 @@ std::int32_t* int32_output(nb::handle obj, const device& dev, std::size_t count,
 
 // ---- the policy descriptor and the state ------------------------------------
 
-/// A policy's descriptor, validated once, with the carve of the last memory
+/// A policy's spec, validated once, with the carve of the last memory
 /// it saw (the carve is a pure function of the memory's address).
 class Descriptor {
  public:
-  explicit Descriptor(const std::vector<std::int64_t>& v) {
-    const site w{"python", "Descriptor"};
-    if (v.size() != 14)
-      fail<kvevict::invalid_argument>(w, "values", "has ", v.size(),
-                                      " entries, expected 14 (kind, num_seqs, num_kv_heads, num_q_heads, capacity, "
-                                      "a, b, c, seed_lo, seed_hi, history_max_tokens, history_head_dim, d, "
-                                      "decay_bits)");
-    for (std::size_t i = 0; i < v.size(); ++i) {
-      const bool seed = i == 8 || i == 9 || i == 13;  // 13: a float32's bits
-      if (seed ? (v[i] < 0 || v[i] > 0xFFFFFFFFll) : (v[i] < INT32_MIN || v[i] > INT32_MAX))
-        fail<kvevict::out_of_range>(w, concat("values[", i, "]"), "= ", v[i], " does not fit ",
-                                    seed ? "uint32" : "int32");
-    }
-    auto i32 = [&](std::size_t i) { return static_cast<std::int32_t>(v[i]); };
-    d_.kind = static_cast<policy_kind>(i32(0));
-    d_.shape = {i32(1), i32(2), i32(3), i32(4)};
-    d_.a = i32(5);
-    d_.b = i32(6);
-    d_.c = i32(7);
-    d_.seed = std::uint64_t(v[8]) | (std::uint64_t(v[9]) << 32);
-    d_.history = {i32(10), i32(11)};
-    d_.d = i32(12);
-    const std::uint32_t decay_bits = static_cast<std::uint32_t>(v[13]);
-    std::memcpy(&d_.decay, &decay_bits, sizeof d_.decay);
-    values_ = v;
+  explicit Descriptor(const policy_spec& spec) : d_(spec) {
     // Validates everything (the C++ messages name the config fields).
     state_bytes_ = with_policy(d_, [&](auto tag, const auto& config) {
                      using P = typename decltype(tag)::type;
@@ -269,14 +248,13 @@ class Descriptor {
     });
   }
 
-  const descriptor& get() const noexcept { return d_; }
+  const policy_spec& spec() const noexcept { return d_; }
   std::size_t state_bytes() const noexcept { return state_bytes_; }
   std::int32_t budget() const {
     return with_policy(d_, [&](auto tag, const auto& config) {
       return kvevict::policy_traits<typename decltype(tag)::type>::rule(config).budget;
     });
   }
-  const std::vector<std::int64_t>& values() const noexcept { return values_; }
 
   /// The state view inside `memory` (already checked to be large enough).
   ///
@@ -333,8 +311,7 @@ class Descriptor {
     return v;
   }
 
-  descriptor d_;
-  std::vector<std::int64_t> values_;
+  policy_spec d_;
   std::size_t state_bytes_ = 0;
   batch_state_view layout_;  ///< carved at layout_base
   mutable unsigned char* carved_for_ = nullptr;
@@ -396,11 +373,13 @@ kvevict::active_set parse_active(nb::handle obj, const state_ref& st, const char
            concat("has dtype ", dtype_name(a.dtype()), ", expected int32 (sequence indices) or uint8/bool (flags)"));
 }
 
-/// A cache layout code, checked.
-cache_layout parse_layout(std::int32_t layout, const char* call) {
-  if (layout < 0 || layout > 3)
-    fail_arg(call, "layout", concat("= ", layout, " is not a cache layout (0 bhsd, 1 bshd, 2 paged nhd, 3 paged hnd)"));
-  return static_cast<cache_layout>(layout);
+/// A cache layout, checked (nanobind passes members only; this keeps a
+/// value cast from C++ honest).
+cache_layout parse_layout(cache_layout layout, const char* call) {
+  const auto code = static_cast<std::int32_t>(layout);
+  if (code < 0 || code > 3)
+    fail_arg(call, "layout", concat("= ", code, " is not a cache layout (0 bhsd, 1 bshd, 2 paged nhd, 3 paged hnd)"));
+  return layout;
 }
 
 const char* layout_dims(cache_layout kind) noexcept {
@@ -462,7 +441,7 @@ any_cache describe_cache(cache_layout kind, const A& k, elem type, nb::handle ta
 
 /// The cache view of (layout, k, v, page_table) on `dev`, for a policy of
 /// `state_capacity` slots per head.
-any_cache parse_cache(std::int32_t layout, nb::handle k_obj, nb::handle v_obj, nb::handle table_obj, const device& dev,
+any_cache parse_cache(cache_layout layout, nb::handle k_obj, nb::handle v_obj, nb::handle table_obj, const device& dev,
                       std::int32_t state_capacity, const char* call) {
   const cache_layout kind = parse_layout(layout, call);
   const char* dims = layout_dims(kind);
@@ -488,7 +467,7 @@ any_cache parse_cache(std::int32_t layout, nb::handle k_obj, nb::handle v_obj, n
 }
 
 /// The cache view of (layout, k, v, page_table) for a batched state.
-any_cache parse_cache(std::int32_t layout, nb::handle k_obj, nb::handle v_obj, nb::handle table_obj,
+any_cache parse_cache(cache_layout layout, nb::handle k_obj, nb::handle v_obj, nb::handle table_obj,
                       const state_ref& st, const char* call) {
   return parse_cache(layout, k_obj, v_obj, table_obj, st.dev, st.view.capacity(), call);
 }
@@ -498,7 +477,7 @@ any_cache parse_cache(std::int32_t layout, nb::handle k_obj, nb::handle v_obj, n
 /// the key-norm path never reads but validates (non-null, disjoint from K):
 /// it is given the address one past the last element of K, which lies
 /// outside K's rows and is never dereferenced.
-any_cache parse_keys(std::int32_t layout, nb::handle k_obj, nb::handle table_obj, const device& dev,
+any_cache parse_keys(cache_layout layout, nb::handle k_obj, nb::handle table_obj, const device& dev,
                      std::int32_t state_capacity, const char* call) {
   const cache_layout kind = parse_layout(layout, call);
   const in_array k = as_array<in_array>(k_obj, call, "k_cache");
@@ -547,9 +526,10 @@ any_array parse_queries(nb::handle obj, const any_cache& cache, const state_ref&
   return parse_queries<R>(obj, cache, st.dev, call, dims);
 }
 
-kvevict::lse_base parse_base(std::int32_t base, const char* call) {
-  if (base != 0 && base != 1) fail_arg(call, "base", concat("= ", base, " is not 0 (natural) or 1 (base 2)"));
-  return static_cast<kvevict::lse_base>(base);
+kvevict::lse_base parse_base(kvevict::lse_base base, const char* call) {
+  if (base != kvevict::lse_base::natural && base != kvevict::lse_base::base2)
+    fail_arg(call, "base", concat("= ", static_cast<int>(base), " is not natural or base2"));
+  return base;
 }
 
 /// Runs a host call without the GIL, then raises its status.
@@ -622,7 +602,7 @@ void append(const Descriptor& desc, nb::handle memory, nb::handle active_obj, st
                        cuda::append(st.view, active, st.status, stream_of(stream)));
 }
 
-void append_kv(const Descriptor& desc, nb::handle memory, std::int32_t layout, nb::handle k, nb::handle v,
+void append_kv(const Descriptor& desc, nb::handle memory, cache_layout layout, nb::handle k, nb::handle v,
                nb::handle page_table, nb::handle k_new_obj, nb::handle v_new_obj, nb::handle active_obj,
                std::uintptr_t stream) {
   const char* call = "append";
@@ -643,10 +623,11 @@ void append_kv(const Descriptor& desc, nb::handle memory, std::int32_t layout, n
                        cuda::append_kv(st.view, active, cache, k_new, v_new, st.status, stream_of(stream)));
 }
 
-/// input: 0 probabilities [B][Hq][W], 1 per-KV-head increments [B][Hkv][W],
-/// 2 logits [B][Hq][W] with lse [B][Hq].
-void observe_evict(const Descriptor& desc, nb::handle memory, std::int32_t input, nb::handle x_obj,
-                   nb::handle lse_obj, float scale, std::int32_t base_code, nb::handle victims_obj,
+/// input: probs [B][Hq][W], head_scores (per-KV-head increments) [B][Hkv][W],
+/// logits [B][Hq][W] with lse [B][Hq]. Queries, key norms and KeyDiff read
+/// the cache and have their own calls.
+void observe_evict(const Descriptor& desc, nb::handle memory, decode_input input, nb::handle x_obj,
+                   nb::handle lse_obj, float scale, kvevict::lse_base base_code, nb::handle victims_obj,
                    nb::handle active_obj, std::uintptr_t stream) {
   const char* call = "observe_evict";
   const state_ref st = resolve_state(desc, memory, call);
@@ -658,23 +639,27 @@ void observe_evict(const Descriptor& desc, nb::handle memory, std::int32_t input
                          cuda::observe_evict(st.view, active, in, victims, st.status, stream_of(stream)));
   };
   switch (input) {
-    case 0:
+    case decode_input::probs:
       return step(kvevict::batch_probs{float_input<3>(x_obj, st.dev, call, "probs", "[num_seqs][num_q_heads][slots]")});
-    case 1:
+    case decode_input::head_scores:
       return step(kvevict::batch_head_scores{
           float_input<3>(x_obj, st.dev, call, "head_scores", "[num_seqs][num_kv_heads][slots]")});
-    case 2: {
+    case decode_input::logits: {
       const auto logits = float_input<3>(x_obj, st.dev, call, "logits", "[num_seqs][num_q_heads][slots]");
       if (lse_obj.is_none()) fail_arg(call, "lse", "is required with logits");
       const auto lse = float_input<2>(lse_obj, st.dev, call, "lse", "[num_seqs][num_q_heads]");
       return step(kvevict::batch_logits{logits, lse, scale, parse_base(base_code, call)});
     }
+    case decode_input::queries:
+    case decode_input::key_norms:
+    case decode_input::key_diff: break;
   }
-  fail_arg(call, "input", concat("= ", input, " is not 0 (probs), 1 (head_scores) or 2 (logits)"));
+  fail_arg(call, "input", concat("= ", decode_input_name(input),
+                                 " is not probs, head_scores or logits (it reads the cache: its own call)"));
 }
 
 void observe_evict_queries(const Descriptor& desc, nb::handle memory, nb::handle q_obj, nb::handle lse_obj,
-                           float scale, std::int32_t base_code, std::int32_t layout, nb::handle k, nb::handle v,
+                           float scale, kvevict::lse_base base_code, cache_layout layout, nb::handle k, nb::handle v,
                            nb::handle page_table, nb::handle victims_obj, nb::handle active_obj,
                            std::uintptr_t stream) {
   const char* call = "observe_evict";
@@ -702,7 +687,7 @@ void observe_evict_queries(const Descriptor& desc, nb::handle memory, nb::handle
 /// slot's score becomes -||k||; h2o takes it with decay 0) or, with
 /// `diff`, KeyDiff (-cos(k, the running anchor of the cached keys); an h2o
 /// state made with head_dim).
-void observe_evict_keys(bool diff, const Descriptor& desc, nb::handle memory, std::int32_t layout, nb::handle k,
+void observe_evict_keys(bool diff, const Descriptor& desc, nb::handle memory, cache_layout layout, nb::handle k,
                         nb::handle page_table, nb::handle victims_obj, nb::handle active_obj, std::uintptr_t stream) {
   const char* call = "observe_evict";
   const state_ref st = resolve_state(desc, memory, call);
@@ -735,9 +720,9 @@ void append_tokens(const Descriptor& desc, nb::handle memory, std::int32_t token
 
 /// evict_to with the rows moved in the cache; exact_greedy passes the step's
 /// queries and LSE (q_obj not None).
-void evict_to(const Descriptor& desc, nb::handle memory, std::int32_t target, std::int32_t layout, nb::handle k,
+void evict_to(const Descriptor& desc, nb::handle memory, std::int32_t target, cache_layout layout, nb::handle k,
               nb::handle v, nb::handle page_table, nb::handle q_obj, nb::handle lse_obj, float scale,
-              std::int32_t base_code, nb::handle freed_obj, nb::handle active_obj, std::uintptr_t stream) {
+              kvevict::lse_base base_code, nb::handle freed_obj, nb::handle active_obj, std::uintptr_t stream) {
   const char* call = "evict_to";
   const state_ref st = resolve_state(desc, memory, call);
   const any_cache cache = parse_cache(layout, k, v, page_table, st, call);
@@ -788,13 +773,10 @@ void evict_to_moves(const Descriptor& desc, nb::handle memory, std::int32_t targ
 }
 
 /// SnapKV's parameters for an input whose window rows are `rows`: the
-/// window is that extent, pooling kvevict::snap_pooling's code. The library
-/// validates them (require_snap_window, with its own argument names); only
-/// a code that does not fit the enum's byte is refused here.
-kvevict::snap_window parse_snap(std::int32_t rows, std::int32_t pool_width, std::int32_t pooling, const char* call) {
-  if (pooling < 0 || pooling > 255)
-    fail_arg(call, "in.snap.pooling", concat("= ", pooling, " is not a snap_pooling (0 max, 1 mean)"));
-  return {rows, pool_width, static_cast<kvevict::snap_pooling>(pooling)};
+/// window is that extent. The library validates them (require_snap_window,
+/// with its own argument names).
+kvevict::snap_window parse_snap(std::int32_t rows, std::int32_t pool_width, kvevict::snap_pooling pooling) {
+  return {rows, pool_width, pooling};
 }
 
 /// Batched prefill of any input kind (see prefill, prefill_snapkv and
@@ -802,7 +784,7 @@ kvevict::snap_window parse_snap(std::int32_t rows, std::int32_t pool_width, std:
 /// kinds only.
 std::size_t run_prefill(const Descriptor& desc, nb::handle memory, nb::handle lengths_obj, std::int32_t max_length,
                         prefill_input kind, nb::handle x_obj, nb::handle lse_obj, float scale,
-                        std::int32_t base_code, std::int32_t pool_width, std::int32_t pooling, std::int32_t layout,
+                        kvevict::lse_base base_code, std::int32_t pool_width, kvevict::snap_pooling pooling, cache_layout layout,
                         nb::handle k, nb::handle v, nb::handle page_table, nb::handle reclaimable_obj,
                         nb::handle active_obj, nb::handle workspace_obj, std::uintptr_t stream) {
   const char* call = "prefill";
@@ -854,7 +836,7 @@ std::size_t run_prefill(const Descriptor& desc, nb::handle memory, nb::handle le
   }
   const kvevict::lse_base base = parse_base(base_code, call);
   const kvevict::snap_window snap =
-      is_window(kind) ? parse_snap(x.extents[2], pool_width, pooling, call) : kvevict::snap_window{};
+      is_window(kind) ? parse_snap(x.extents[2], pool_width, pooling) : kvevict::snap_window{};
 #ifdef KVEVICT_PY_CUDA
   if (st.dev.cuda()) {
     if (workspace_obj.is_none())
@@ -923,41 +905,40 @@ std::size_t run_prefill(const Descriptor& desc, nb::handle memory, nb::handle le
   return 0;
 }
 
-/// Batched prefill. input: 0 probs [B][Hq][M][M], 1 column sums [B][Hq][M],
-/// 2 queries [B][Hq][M][D] with lse [B][Hq][M], 3 none, 4 the norms of the
-/// cached keys (x None; kvevict::key_norms over the cache). On CUDA with
-/// workspace None it only returns the workspace bytes; otherwise 0.
+/// Batched prefill. input: probs [B][Hq][M][M], sums (column sums)
+/// [B][Hq][M], queries [B][Hq][M][D] with lse [B][Hq][M], none, key_norms
+/// (the norms of the cached keys, x None; kvevict::key_norms over the
+/// cache). On CUDA with workspace None it only returns the workspace bytes;
+/// otherwise 0.
 std::size_t prefill(const Descriptor& desc, nb::handle memory, nb::handle lengths_obj, std::int32_t max_length,
-                    std::int32_t input, nb::handle x_obj, nb::handle lse_obj, float scale, std::int32_t base_code,
-                    std::int32_t layout, nb::handle k, nb::handle v, nb::handle page_table,
+                    prefill_input input, nb::handle x_obj, nb::handle lse_obj, float scale, kvevict::lse_base base_code,
+                    cache_layout layout, nb::handle k, nb::handle v, nb::handle page_table,
                     nb::handle reclaimable_obj, nb::handle active_obj, nb::handle workspace_obj,
                     std::uintptr_t stream) {
-  if (input < 0 || input > 4)
+  if (is_window(input) || input == prefill_input::key_diff)
     fail_arg("prefill", "input",
-             concat("= ", input, " is not 0 (probs), 1 (column_sums), 2 (queries), 3 (none) or 4 (key norms)"));
-  return run_prefill(desc, memory, lengths_obj, max_length, static_cast<prefill_input>(input), x_obj, lse_obj, scale,
-                     base_code, 0, 0, layout, k, v, page_table, reclaimable_obj, active_obj, workspace_obj, stream);
+             concat("= ", prefill_input_name(input),
+                    " is not probs, sums, queries, none or key_norms (SnapKV and KeyDiff have their own calls)"));
+  return run_prefill(desc, memory, lengths_obj, max_length, input, x_obj, lse_obj, scale, base_code, 0,
+                     kvevict::snap_pooling::max, layout, k, v, page_table, reclaimable_obj, active_obj, workspace_obj, stream);
 }
 
 /// SnapKV prefill (kvevict/batch/prefill_window.hpp): the prompts scored by
-/// the attention of their last `window` rows. input: 0 probs
-/// [B][Hq][window][>= M], 1 logits [B][Hq][window][>= M] with lse
-/// [B][Hq][window], 2 queries [B][Hq][window][D] with lse [B][Hq][window];
-/// the window is the input's extent in dimension 2; pooling 0 max, 1 mean.
+/// the attention of their last `window` rows. input: window_probs
+/// [B][Hq][window][>= M], window_logits [B][Hq][window][>= M] with lse
+/// [B][Hq][window], window_queries [B][Hq][window][D] with lse
+/// [B][Hq][window]; the window is the input's extent in dimension 2.
 /// Workspace and return value as prefill.
 std::size_t prefill_snapkv(const Descriptor& desc, nb::handle memory, nb::handle lengths_obj,
-                           std::int32_t max_length, std::int32_t input, nb::handle x_obj, nb::handle lse_obj,
-                           float scale, std::int32_t base_code, std::int32_t pool_width, std::int32_t pooling,
-                           std::int32_t layout, nb::handle k, nb::handle v, nb::handle page_table,
+                           std::int32_t max_length, prefill_input input, nb::handle x_obj, nb::handle lse_obj,
+                           float scale, kvevict::lse_base base_code, std::int32_t pool_width, kvevict::snap_pooling pooling,
+                           cache_layout layout, nb::handle k, nb::handle v, nb::handle page_table,
                            nb::handle reclaimable_obj, nb::handle active_obj, nb::handle workspace_obj,
                            std::uintptr_t stream) {
-  if (input < 0 || input > 2)
+  if (!is_window(input))
     fail_arg("prefill", "input",
-             concat("= ", input, " is not 0 (window probs), 1 (window logits) or 2 (window queries)"));
-  const prefill_input kind = input == 0   ? prefill_input::window_probs
-                             : input == 1 ? prefill_input::window_logits
-                                          : prefill_input::window_queries;
-  return run_prefill(desc, memory, lengths_obj, max_length, kind, x_obj, lse_obj, scale, base_code, pool_width,
+             concat("= ", prefill_input_name(input), " is not window_probs, window_logits or window_queries"));
+  return run_prefill(desc, memory, lengths_obj, max_length, input, x_obj, lse_obj, scale, base_code, pool_width,
                      pooling, layout, k, v, page_table, reclaimable_obj, active_obj, workspace_obj, stream);
 }
 
@@ -967,11 +948,11 @@ std::size_t prefill_snapkv(const Descriptor& desc, nb::handle memory, nb::handle
 /// prefill: it takes no x, lse, scale or base. Workspace and return value
 /// as prefill.
 std::size_t prefill_key_diff(const Descriptor& desc, nb::handle memory, nb::handle lengths_obj,
-                             std::int32_t max_length, std::int32_t layout, nb::handle k, nb::handle v,
+                             std::int32_t max_length, cache_layout layout, nb::handle k, nb::handle v,
                              nb::handle page_table, nb::handle reclaimable_obj, nb::handle active_obj,
                              nb::handle workspace_obj, std::uintptr_t stream) {
-  return run_prefill(desc, memory, lengths_obj, max_length, prefill_input::key_diff, nb::none(), nb::none(), 1.0f, 0,
-                     0, 0, layout, k, v, page_table, reclaimable_obj, active_obj, workspace_obj, stream);
+  return run_prefill(desc, memory, lengths_obj, max_length, prefill_input::key_diff, nb::none(), nb::none(), 1.0f,
+                     kvevict::lse_base::natural, 0, kvevict::snap_pooling::max, layout, k, v, page_table, reclaimable_obj, active_obj, workspace_obj, stream);
 }
 
 std::uint64_t status_word(const Descriptor& desc, nb::handle memory, std::uintptr_t stream) {
@@ -1091,7 +1072,7 @@ template <class Policy>
 class SequencePolicy {
  public:
   using config_type = typename kvevict::policy_traits<Policy>::config_type;
-  SequencePolicy(const kvevict::policy_shape& shape, const config_type& config) : p_(shape, config) {}
+  explicit SequencePolicy(const policy_spec& spec) : p_(spec.shape, config_of(spec)) {}
 
   std::int32_t append(std::int32_t b) { return p_.append(b); }
   void observe_probs(std::int32_t b, nb::handle probs) {
@@ -1100,13 +1081,13 @@ class SequencePolicy {
   void observe_head_scores(std::int32_t b, nb::handle scores) {
     p_.observe(b, kvevict::head_scores{input<2>(scores, "observe", "scores", "[num_kv_heads][slots]")});
   }
-  void observe_logits(std::int32_t b, nb::handle logits, nb::handle lse, float scale, std::int32_t base) {
+  void observe_logits(std::int32_t b, nb::handle logits, nb::handle lse, float scale, kvevict::lse_base base) {
     p_.observe(b, kvevict::decode_logits{input<2>(logits, "observe", "logits", "[num_q_heads][slots]"),
                                          input<1>(lse, "observe", "lse", "[num_q_heads]"), scale,
                                          parse_base(base, "observe")});
   }
   /// Key norms of sequence b's cached keys (k_cache in `layout`, as the batched calls take it).
-  void observe_key_norms(std::int32_t b, std::int32_t layout, nb::handle k, nb::handle page_table) {
+  void observe_key_norms(std::int32_t b, cache_layout layout, nb::handle k, nb::handle page_table) {
     const any_cache cache = parse_keys(layout, k, page_table, device{}, p_.shape().capacity, "observe");
     visit_cache(cache, [&](auto view) {
       using V = decltype(view);
@@ -1115,7 +1096,7 @@ class SequencePolicy {
   }
   /// KeyDiff: each occupied slot's score becomes -cos(k, the running anchor
   /// of b's cached keys). Only h2o_policy has it, as for the prefill.
-  void observe_key_diff(std::int32_t b, std::int32_t layout, nb::handle k, nb::handle page_table) {
+  void observe_key_diff(std::int32_t b, cache_layout layout, nb::handle k, nb::handle page_table) {
     const any_cache cache = parse_keys(layout, k, page_table, device{}, p_.shape().capacity, "observe");
     if constexpr (std::is_same_v<Policy, kvevict::h2o_policy>) {
       visit_cache(cache, [&](auto view) {
@@ -1143,7 +1124,7 @@ class SequencePolicy {
   /// Key-norm prefill of sequence b's prompt in slots [0, length) of the
   /// cache (k, v in `layout`, as the batched calls take them): the kept
   /// rows move to slots [0, kept). Returns (kept, reclaimable_pages).
-  std::pair<std::int32_t, std::int32_t> prefill_key_norms(std::int32_t b, std::int32_t length, std::int32_t layout,
+  std::pair<std::int32_t, std::int32_t> prefill_key_norms(std::int32_t b, std::int32_t length, cache_layout layout,
                                                           nb::handle k, nb::handle v, nb::handle page_table) {
     const any_cache cache = parse_cache(layout, k, v, page_table, device{}, p_.shape().capacity, "prefill");
     return visit_cache(cache, [&](auto view) {
@@ -1159,7 +1140,7 @@ class SequencePolicy {
   /// h2o_policy has it (the library's per-sequence recent_window and random
   /// policies take no KeyDiff input); the others are refused here, after
   /// the cache's checks.
-  std::pair<std::int32_t, std::int32_t> prefill_key_diff(std::int32_t b, std::int32_t length, std::int32_t layout,
+  std::pair<std::int32_t, std::int32_t> prefill_key_diff(std::int32_t b, std::int32_t length, cache_layout layout,
                                                          nb::handle k, nb::handle v, nb::handle page_table) {
     const char* call = "prefill";
     const any_cache cache = parse_cache(layout, k, v, page_table, device{}, p_.shape().capacity, call);
@@ -1178,21 +1159,22 @@ class SequencePolicy {
     }
   }
   /// SnapKV prefill of sequence b's prompt in slots [0, length) of the
-  /// cache (k, v in `layout`): input 0 probs [Hq][window][>= length], 1
-  /// logits [Hq][window][>= length] with lse [Hq][window], 2 queries
-  /// [Hq][window][head_dim] with lse [Hq][window]; the window is the
-  /// input's extent in dimension 1, pooling 0 max, 1 mean. The kept rows
+  /// cache (k, v in `layout`): input window_probs [Hq][window][>= length],
+  /// window_logits [Hq][window][>= length] with lse [Hq][window],
+  /// window_queries [Hq][window][head_dim] with lse [Hq][window]; the window
+  /// is the input's extent in dimension 1. The kept rows
   /// move to slots [0, kept). Returns (kept, reclaimable_pages). Only
   /// h2o_policy has it; the others are refused by the library's own check.
-  std::pair<std::int32_t, std::int32_t> prefill_snapkv(std::int32_t b, std::int32_t length, std::int32_t which,
+  std::pair<std::int32_t, std::int32_t> prefill_snapkv(std::int32_t b, std::int32_t length, prefill_input input,
                                                        nb::handle x_obj, nb::handle lse_obj, float scale,
-                                                       std::int32_t base_code, std::int32_t pool_width,
-                                                       std::int32_t pooling, std::int32_t layout, nb::handle k,
+                                                       kvevict::lse_base base_code, std::int32_t pool_width,
+                                                       kvevict::snap_pooling pooling, cache_layout layout, nb::handle k,
                                                        nb::handle v, nb::handle page_table) {
     const char* call = "prefill";
-    if (which < 0 || which > 2)
+    if (!is_window(input))
       fail_arg(call, "input",
-               concat("= ", which, " is not 0 (window probs), 1 (window logits) or 2 (window queries)"));
+               concat("= ", prefill_input_name(input), " is not window_probs, window_logits or window_queries"));
+    const int which = input == prefill_input::window_probs ? 0 : input == prefill_input::window_logits ? 1 : 2;
     const any_cache cache = parse_cache(layout, k, v, page_table, device{}, p_.shape().capacity, call);
     any_array x;
     kvevict::tensor_view<const float, 2> lse;
@@ -1206,7 +1188,7 @@ class SequencePolicy {
       lse = float_input<2>(lse_obj, device{}, call, "lse", "[num_q_heads][window]");
     }
     const kvevict::lse_base base = parse_base(base_code, call);
-    const kvevict::snap_window snap = parse_snap(x.extents[1], pool_width, pooling, call);
+    const kvevict::snap_window snap = parse_snap(x.extents[1], pool_width, pooling);
     if constexpr (std::is_same_v<Policy, kvevict::h2o_policy>) {
       return visit_cache(cache, [&](auto view) {
         using T = typename decltype(view)::element_type;
@@ -1279,28 +1261,33 @@ class SequencePolicy {
     return nb::ndarray<nb::numpy, std::int32_t>(data, shape, owner);
   }
 
+  static config_type config_of(const policy_spec& spec) {
+    return with_policy(spec, [&](auto tag, const auto& config) -> config_type {
+      using P = typename decltype(tag)::type;
+      if constexpr (std::is_same_v<P, Policy>) {
+        return config;
+      } else {
+        fail_arg("SequencePolicy", "spec.kind",
+                 concat("is ", kvevict::policy_traits<P>::name, ", this class is ", kvevict::policy_traits<Policy>::name));
+      }
+    });
+  }
+
   Policy p_;
 };
 
-template <class Policy, class MakeConfig>
-void bind_sequence_policy(nb::module_& m, const char* name, const char* doc, MakeConfig make_config) {
+template <class Policy>
+void bind_sequence_policy(nb::module_& m, const char* name, const char* doc) {
   using S = SequencePolicy<Policy>;
   nb::class_<S>(m, name, doc)
-      .def("__init__",
-           [make_config](S* self, std::int32_t num_seqs, std::int32_t num_kv_heads, std::int32_t num_q_heads,
-                         std::int32_t capacity, std::int64_t a, std::int64_t b, std::int64_t c, std::uint64_t seed,
-                         std::int64_t d, float decay) {
-             new (self) S(kvevict::policy_shape{num_seqs, num_kv_heads, num_q_heads, capacity},
-                          make_config(a, b, c, seed, d, decay));
-           },
-           "num_seqs"_a, "num_kv_heads"_a, "num_q_heads"_a, "capacity"_a, "a"_a, "b"_a, "c"_a = 0, "seed"_a = 0,
-           "d"_a = 0, "decay"_a = 1.0f)
+      .def(nb::init<const policy_spec&>(), "spec"_a, "A policy of this class's kind: its shape and config from `spec`.")
       .def("append", &S::append, "b"_a, "Records sequence b's next token in every head's next slot; returns its position.")
       .def("observe_probs", &S::observe_probs, "b"_a, "probs"_a, "Adds the step's probabilities [Hq][slots] to the scores.")
       .def("observe_head_scores", &S::observe_head_scores, "b"_a, "scores"_a)
-      .def("observe_logits", &S::observe_logits, "b"_a, "logits"_a, "lse"_a, "scale"_a = 1.0f, "base"_a = 0)
+      .def("observe_logits", &S::observe_logits, "b"_a, "logits"_a, "lse"_a, "scale"_a = 1.0f,
+           "base"_a = kvevict::lse_base::natural)
       .def("observe_key_norms", &S::observe_key_norms, "b"_a, "layout"_a, "k_cache"_a, "page_table"_a.none() = nb::none(),
-           "Sets each occupied slot's score to -||k|| of its cached key (k_cache in `layout`, 0 bhsd .. 3 paged hnd).")
+           "Sets each occupied slot's score to -||k|| of its cached key (k_cache in `layout`).")
       .def("observe_key_diff", &S::observe_key_diff, "b"_a, "layout"_a, "k_cache"_a, "page_table"_a.none() = nb::none(),
            "KeyDiff (h2o): sets each occupied slot's score to -cos(k, the running anchor of the cached keys).")
       .def("skip_observe", &S::skip_observe, "b"_a)
@@ -1317,7 +1304,7 @@ void bind_sequence_policy(nb::module_& m, const char* name, const char* doc, Mak
            "base"_a, "pool_width"_a, "pooling"_a, "layout"_a, "k_cache"_a, "v_cache"_a,
            "page_table"_a.none() = nb::none(),
            "SnapKV prefill (h2o): the prompt in slots [0, length) scored by its last `window` rows' attention "
-           "(input 0 probs, 1 logits + lse, 2 queries + lse), pooled; the kept K/V rows move to slots [0, kept). "
+           "(input window_probs, window_logits + lse, window_queries + lse), pooled; the kept K/V rows move to slots [0, kept). "
            "Returns (kept, reclaimable_pages).")
       .def("prefill_column_sums", &S::prefill_column_sums, "b"_a, "length"_a, "column_sums"_a,
            "Prefill compression of the slot table only (no K/V moved); returns the tokens kept per head.")
@@ -1329,10 +1316,126 @@ void bind_sequence_policy(nb::module_& m, const char* name, const char* doc, Mak
       .def("scores", &S::scores);
 }
 
-int to_int32(std::int64_t x, const char* arg) {
-  if (x < INT32_MIN || x > INT32_MAX)
-    fail<kvevict::out_of_range>(site{"python", "SequencePolicy"}, arg, "= ", x, " does not fit int32");
-  return static_cast<int>(x);
+/// The integer codes of the C++ side as Python enums: what the calls take
+/// (a member, or its value where a torch.library op carries an int).
+void bind_enums(nb::module_& m) {
+  nb::enum_<policy_kind>(m, "PolicyKind", "Which kvevict policy a state belongs to.", nb::is_arithmetic())
+      .value("h2o", policy_kind::h2o)
+      .value("recent_window", policy_kind::recent_window)
+      .value("random", policy_kind::random)
+      .value("exact_greedy", policy_kind::exact_greedy);
+  nb::enum_<kvevict::group_reduce>(m, "GroupReduce", "How h2o folds a GQA group's query heads into a KV head's score.", nb::is_arithmetic())
+      .value("sum", kvevict::group_reduce::sum)
+      .value("mean", kvevict::group_reduce::mean)
+      .value("max", kvevict::group_reduce::max);
+  nb::enum_<decode_input>(m, "DecodeInput", "The input of a decode step (observe_evict).", nb::is_arithmetic())
+      .value("probs", decode_input::probs)
+      .value("head_scores", decode_input::head_scores)
+      .value("logits", decode_input::logits)
+      .value("queries", decode_input::queries)
+      .value("key_norms", decode_input::key_norms)
+      .value("key_diff", decode_input::key_diff);
+  nb::enum_<prefill_input>(m, "PrefillInput", "The input of a batched prefill.", nb::is_arithmetic())
+      .value("probs", prefill_input::probs)
+      .value("sums", prefill_input::sums)
+      .value("queries", prefill_input::queries)
+      .value("none", prefill_input::none)
+      .value("key_norms", prefill_input::key_norms)
+      .value("window_probs", prefill_input::window_probs)
+      .value("window_logits", prefill_input::window_logits)
+      .value("window_queries", prefill_input::window_queries)
+      .value("key_diff", prefill_input::key_diff);
+  nb::enum_<elem>(m, "Elem", "Element types of K/V, queries and new rows.", nb::is_arithmetic())
+      .value("float32", elem::f32)
+      .value("float16", elem::f16)
+      .value("bfloat16", elem::bf16);
+  nb::enum_<cache_layout>(m, "CacheLayout", "K/V layouts (kvevict.CacheView).", nb::is_arithmetic())
+      .value("bhsd", cache_layout::bhsd)
+      .value("bshd", cache_layout::bshd)
+      .value("paged_nhd", cache_layout::paged_nhd)
+      .value("paged_hnd", cache_layout::paged_hnd);
+  nb::enum_<kvevict::lse_base>(m, "LseBase", "Base of a log-sum-exp: natural (FlashAttention) or base2 (FlashInfer).", nb::is_arithmetic())
+      .value("natural", kvevict::lse_base::natural)
+      .value("base2", kvevict::lse_base::base2);
+  nb::enum_<kvevict::snap_pooling>(m, "SnapPooling", "SnapKV's pooling of the window scores.", nb::is_arithmetic())
+      .value("max", kvevict::snap_pooling::max)
+      .value("mean", kvevict::snap_pooling::mean);
+}
+
+/// PolicySpec: policy_spec with its fields by name (read-only), built by
+/// the Python configs (kvevict.config.policy_spec); encode()/decode() are
+/// its int[] form for the torch.library ops (spec_codec.hpp's table).
+void bind_policy_spec(nb::module_& m) {
+  using S = policy_spec;
+  auto set = [](S& s, const char* name, std::int64_t v) { set_spec_field(s, *find_spec_field(name), v); };
+  nb::class_<S>(m, "PolicySpec", "A batched policy's kind, shape and configuration, each field by name.")
+      .def("__init__",
+           [set](S* self, policy_kind kind, std::int64_t num_seqs, std::int64_t num_kv_heads,
+                 std::int64_t num_q_heads, std::int64_t capacity, std::int64_t heavy, std::int64_t recent,
+                 kvevict::group_reduce reduce, float decay, std::int64_t sinks, std::int64_t window,
+                 std::int64_t budget, std::uint64_t seed, std::int64_t max_tokens, std::int64_t head_dim) {
+             S s;
+             s.kind = kind;
+             set(s, "num_seqs", num_seqs);
+             set(s, "num_kv_heads", num_kv_heads);
+             set(s, "num_q_heads", num_q_heads);
+             set(s, "capacity", capacity);
+             set(s, "heavy", heavy);
+             set(s, "recent", recent);
+             s.reduce = reduce;
+             s.decay = decay;
+             set(s, "sinks", sinks);
+             set(s, "window", window);
+             set(s, "budget", budget);
+             s.seed = seed;
+             set(s, "max_tokens", max_tokens);
+             set(s, "head_dim", head_dim);
+             new (self) S(s);
+           },
+           "kind"_a, "num_seqs"_a, "num_kv_heads"_a, "num_q_heads"_a, "capacity"_a, nb::kw_only(), "heavy"_a = 0,
+           "recent"_a = 0, "reduce"_a = kvevict::group_reduce::sum, "decay"_a = 1.0f, "sinks"_a = 0, "window"_a = 0,
+           "budget"_a = 0, "seed"_a = 0, "max_tokens"_a = 0, "head_dim"_a = 0)
+      .def_prop_ro("kind", [](const S& s) { return s.kind; })
+      .def_prop_ro("num_seqs", [](const S& s) { return s.shape.num_seqs; })
+      .def_prop_ro("num_kv_heads", [](const S& s) { return s.shape.num_kv_heads; })
+      .def_prop_ro("num_q_heads", [](const S& s) { return s.shape.num_q_heads; })
+      .def_prop_ro("capacity", [](const S& s) { return s.shape.capacity; })
+      .def_prop_ro("heavy", [](const S& s) { return s.heavy; })
+      .def_prop_ro("recent", [](const S& s) { return s.recent; })
+      .def_prop_ro("reduce", [](const S& s) { return s.reduce; })
+      .def_prop_ro("decay", [](const S& s) { return s.decay; })
+      .def_prop_ro("sinks", [](const S& s) { return s.sinks; })
+      .def_prop_ro("window", [](const S& s) { return s.window; })
+      .def_prop_ro("budget", [](const S& s) { return s.budget; })
+      .def_prop_ro("seed", [](const S& s) { return s.seed; })
+      .def_prop_ro("max_tokens", [](const S& s) { return s.history.max_tokens; })
+      .def_prop_ro("head_dim", [](const S& s) { return s.history.head_dim; })
+      .def("encode", &encode_spec, "The spec as integers (the `desc` argument of the torch.library ops).")
+      .def_static("decode", &decode_spec, "values"_a, "The spec encode() gave these integers (checked).")
+      .def_prop_ro_static("fields",
+                          [](nb::handle) {
+                            std::vector<std::string> names;
+                            for (const spec_field& f : spec_fields) names.emplace_back(f.name);
+                            return names;
+                          },
+                          "The fields in encode()'s order.")
+      .def("__eq__", [](const S& a, const S& b) { return encode_spec(a) == encode_spec(b); })
+      .def("__hash__", [](const S& s) {
+        std::size_t h = 0;
+        for (std::int64_t v : encode_spec(s)) h = h * 1000003u ^ std::hash<std::int64_t>{}(v);
+        return h;
+      })
+      .def("__repr__", [](const S& s) {
+        std::string r = "PolicySpec(";
+        for (std::size_t i = 0; i < spec_field_count; ++i) {
+          const spec_field& f = spec_fields[i];
+          r += concat(i ? ", " : "", f.name, "=");
+          if (std::string_view(f.name) == "decay") r += concat(s.decay);
+          else if (std::string_view(f.name) == "seed") r += concat(s.seed);
+          else r += concat(f.get(s));
+        }
+        return r + ")";
+      });
 }
 
 PyObject* new_exception(nb::module_& m, const char* name, PyObject* base1, PyObject* base2, const char* doc) {
@@ -1387,11 +1490,14 @@ NB_MODULE(_ext, m) {
     }
   });
 
-  nb::class_<Descriptor>(m, "Descriptor", "A batched policy's shape and configuration, validated.")
-      .def(nb::init<const std::vector<std::int64_t>&>(), "values"_a)
+  bind_enums(m);
+  bind_policy_spec(m);
+  nb::class_<Descriptor>(m, "Descriptor",
+                         "A batched policy's spec, validated by the C++ library, with the layout of its state.")
+      .def(nb::init<const policy_spec&>(), "spec"_a)
+      .def_prop_ro("spec", &Descriptor::spec)
       .def_prop_ro("state_bytes", &Descriptor::state_bytes, "Bytes of the state array, status word included.")
-      .def_prop_ro("budget", &Descriptor::budget)
-      .def_prop_ro("values", &Descriptor::values);
+      .def_prop_ro("budget", &Descriptor::budget);
 
   const auto none = nb::none();
   m.def("init", &init, "desc"_a, "state"_a, "stream"_a = 0);
@@ -1406,7 +1512,7 @@ NB_MODULE(_ext, m) {
         "stream"_a = 0);
   for (const bool diff : {false, true})
     m.def(diff ? "observe_evict_key_diff" : "observe_evict_key_norms",
-          [diff](const Descriptor& desc, nb::handle memory, std::int32_t layout, nb::handle k, nb::handle page_table,
+          [diff](const Descriptor& desc, nb::handle memory, cache_layout layout, nb::handle k, nb::handle page_table,
                  nb::handle victims, nb::handle active, std::uintptr_t stream) {
             observe_evict_keys(diff, desc, memory, layout, k, page_table, victims, active, stream);
           },
@@ -1449,22 +1555,8 @@ NB_MODULE(_ext, m) {
   m.attr("CUDA") = false;
 #endif
 
-  bind_sequence_policy<kvevict::h2o_policy>(
-      m, "SequenceH2O",
-      "Per-sequence h2o_policy (host; slot table only): a = heavy, b = recent, c = reduce, d = sinks, decay.",
-      [](std::int64_t a, std::int64_t b, std::int64_t c, std::uint64_t, std::int64_t d, float decay) {
-        return kvevict::h2o_config{to_int32(a, "heavy"), to_int32(b, "recent"),
-                                   static_cast<kvevict::group_reduce>(to_int32(c, "reduce")), decay,
-                                   to_int32(d, "sinks")};
-      });
-  bind_sequence_policy<kvevict::recent_window_policy>(
-      m, "SequenceRecentWindow", "Per-sequence recent_window_policy (host; slot table only): a = sinks, b = window.",
-      [](std::int64_t a, std::int64_t b, std::int64_t, std::uint64_t, std::int64_t, float) {
-        return kvevict::recent_window_config{to_int32(a, "sinks"), to_int32(b, "window")};
-      });
-  bind_sequence_policy<kvevict::random_policy>(
-      m, "SequenceRandom", "Per-sequence random_policy (host; slot table only): a = budget, b = sinks, c = recent.",
-      [](std::int64_t a, std::int64_t b, std::int64_t c, std::uint64_t seed, std::int64_t, float) {
-        return kvevict::random_config{to_int32(a, "budget"), to_int32(b, "sinks"), to_int32(c, "recent"), seed};
-      });
+  bind_sequence_policy<kvevict::h2o_policy>(m, "SequenceH2O", "Per-sequence h2o_policy (host; slot table only).");
+  bind_sequence_policy<kvevict::recent_window_policy>(m, "SequenceRecentWindow",
+                                                      "Per-sequence recent_window_policy (host; slot table only).");
+  bind_sequence_policy<kvevict::random_policy>(m, "SequenceRandom", "Per-sequence random_policy (host; slot table only).");
 }
