@@ -150,6 +150,14 @@ CALLS: Tuple[Call, ...] = (
              "window logits (same shape) with ``lse`` [B, Hq, window], 2 window queries [B, Hq, window, "
              "head_dim] with ``lse``; pooling 0 max, 1 mean over ``pool_width`` (odd) positions. Returns the "
              "reclaimable trailing pages per sequence, int32 [B]."),
+    Call("prefill_exact_greedy",
+         _args(_PROMPT + ", Tensor queries, Tensor? lse, float scale, SymInt base, " + _CACHE_MOVED + ", " + _ACTIVE),
+         "prefill_exact_greedy", ("desc", "state", "lengths", "max_length", "queries", "lse", "scale", "base",
+                                  "layout", "k_cache", "v_cache", "page_table", "reclaimable", "active", "stream"),
+         out="reclaimable", checked="prefill",
+         doc="exact_greedy's batched prefill compression (host): each prompt joins the history and is reduced "
+             "greedily to the budget, judged with the queries of its last row [B, Hq, head_dim] (``lse`` is not "
+             "read); returns the reclaimable trailing pages per sequence, int32 [B]."),
     Call("append_tokens", _args("SymInt tokens, " + _ACTIVE), "append_tokens",
          ("desc", "state", "tokens", "active", "stream"),
          doc="Appends ``tokens`` positions to every active sequence (multi-token step)."),

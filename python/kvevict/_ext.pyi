@@ -201,6 +201,16 @@ def prefill_snapkv(
     window_queries [B][Hq][window][head_dim] with lse; the window is x's
     extent in dimension 2. Workspace and return value as prefill."""
 
+def prefill_exact_greedy(
+    desc: Descriptor, state: Array, lengths: Array, max_length: int, queries: Array, lse: Optional[Array],
+    scale: float, base: LseBase, layout: CacheLayout, k_cache: Array, v_cache: Array, page_table: Optional[Array],
+    reclaimable_pages: Optional[Array], active: Optional[Array] = None, stream: int = 0,
+) -> None:
+    """exact_greedy's prefill (host only): the prompts join the history and are
+    reduced greedily to the budget, judged with the queries of each prompt's
+    last row [B][Hq][head_dim] (lse is not read); the kept rows move to
+    slots [0, kept)."""
+
 def status_word(desc: Descriptor, state: Array, stream: int = 0) -> int: ...
 def check(desc: Descriptor, state: Array, stream: int = 0, call: str = "check") -> None: ...
 def state_offsets(desc: Descriptor, state: Array) -> Dict[str, Optional[int]]: ...

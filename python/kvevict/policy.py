@@ -368,8 +368,8 @@ class BatchedPolicy:
         in position order, to slots ``[0, kept)``. ``M = max_length`` (default:
         the largest length; give it for CUDA lengths to avoid a sync).
         Returns int32 [num_seqs]: trailing pages of a paged prompt no longer
-        needed. exact_greedy has no batched prefill. Scored by the norms of
-        the prompt's cached keys instead: :meth:`prefill_key_norms`; by
+        needed. exact_greedy's prefill: :meth:`prefill_exact_greedy`. Scored
+        by the norms of the prompt's cached keys instead: :meth:`prefill_key_norms`; by
         their cosine to their head's mean direction (KeyDiff):
         :meth:`prefill_key_diff`; by the attention of the prompt's last rows
         (SnapKV): :meth:`prefill_snapkv`.
@@ -412,8 +412,8 @@ class BatchedPolicy:
         smallest norm between them (the newer on a tie); it takes this only
         with decay 0 (:meth:`H2OConfig.key_norm`; another decay raises
         :class:`InvalidArgument` naming it, nothing changed). recent_window
-        and random accept it as they accept no scores; exact_greedy has no
-        batched prefill. The kept K and V rows move, in position order, to
+        and random accept it as they accept no scores; exact_greedy
+        compresses with :meth:`prefill_exact_greedy`. The kept K and V rows move, in position order, to
         slots ``[0, kept)``. A key whose norm is not finite (NaN, infinity,
         squares that overflow float32) anywhere in a prompt leaves that
         sequence unchanged and raises :class:`NonFiniteError` at (sequence,
@@ -443,7 +443,8 @@ class BatchedPolicy:
         policy goes on by its own rule (attention, or key norms with
         :meth:`H2OConfig.key_norm`) from the KeyDiff scores it kept. Any h2o
         config takes it (every decay); recent_window and random accept it
-        as they accept no scores; exact_greedy has no batched prefill.
+        as they accept no scores; exact_greedy compresses with
+        :meth:`prefill_exact_greedy`.
 
         The kept K and V rows move, in position order, to slots ``[0,
         kept)``. A key whose norm is not finite (NaN, infinity, squares that
@@ -546,6 +547,50 @@ class BatchedPolicy:
         return _call.prefill_snapkv(
             self, lengths, int(max_length), kind, x, lse, float(scale), base_code, pool_width, pooling, cache._k,
             cache._v, cache.page_table, cache._code, self._active(active),
+        )  # fmt: skip
+
+    def prefill_exact_greedy(
+        self,
+        lengths: Any,
+        *,
+        cache: CacheView,
+        queries: Any,
+        lse: Any = None,
+        scale: float = 1.0,
+        base: LseBase = "natural",
+        max_length: Optional[int] = None,
+        active: Any = None,
+    ) -> Any:
+        """exact_greedy's prompt compression (the C++ ``batched_prefill``
+        with ``batch_queries``; on the host, CUDA has none): prompt ``b`` of
+        ``lengths[b]`` tokens in slots ``[0, lengths[b])`` of ``cache``
+        joins the history, then per KV head the greedy removal of
+        :meth:`evict_to` runs until ``min(L, budget)`` tokens remain: every
+        cached token is scored with the leave-one-out error its eviction
+        would cause for ``queries`` [num_seqs, num_q_heads, head_dim]
+        (float32 or the cache's dtype: the queries of each prompt's last
+        row; ``lse`` [num_seqs, num_q_heads] may be given but is not read),
+        and the unprotected token of the lowest (error, position) goes. The
+        kept K and V rows move, in position order, to slots ``[0, kept)``;
+        kept tokens score 0 (the next observe scores them all). The same
+        tokens as ``append_tokens(L)``, ``observe_evict(queries=...)`` and
+        ``evict_to(budget, ...)``, in one call and without a capacity of L
+        + 1. A prompt longer than the history (``max_tokens``) or a
+        non-finite query, key or value leaves its sequence unchanged (the
+        rest of the batch is compressed) and raises the lowest offender.
+        ``max_length`` as in :meth:`prefill`. Returns int32 [num_seqs]:
+        trailing pages of a paged prompt no longer needed."""
+        if not isinstance(cache, CacheView):
+            raise _ext.InvalidArgument(
+                "kvevict.prefill_exact_greedy: argument 'cache' must be a CacheView (K and V: the kept rows move)"
+            )
+        base_code = _base_code(base)
+        lengths = self._array(lengths, np.int32)
+        if max_length is None:
+            max_length = int(lengths.max()) if len(lengths) else 0
+        return _call.prefill_exact_greedy(
+            self, lengths, int(max_length), queries, lse, float(scale), base_code, cache._k, cache._v,
+            cache.page_table, cache._code, self._active(active),
         )  # fmt: skip
 
     def append_tokens(self, tokens: int, active: Any = None, stream: Any = None) -> None:

@@ -188,6 +188,39 @@ std::size_t prefill_key_diff(const Descriptor& desc, nb::handle memory, nb::hand
                      kvevict::lse_base::natural, 0, kvevict::snap_pooling::max, layout, k, v, page_table, reclaimable_obj, active_obj, workspace_obj, stream);
 }
 
+/// exact_greedy's batched prefill (kvevict/batch/prefill_exact_greedy.hpp,
+/// host only): the prompts join the history and are reduced greedily to
+/// the budget, judged with the queries of each prompt's last row
+/// [B][Hq][head_dim] (float32 or the cache's type; lse [B][Hq] optional:
+/// the library does not read it); the kept rows move to slots [0, kept).
+/// The library refuses a state without a history (not exact_greedy's).
+void prefill_exact_greedy(const Descriptor& desc, nb::handle memory, nb::handle lengths_obj, std::int32_t max_length,
+                          nb::handle q_obj, nb::handle lse_obj, float scale, kvevict::lse_base base_code,
+                          cache_layout layout, nb::handle k, nb::handle v, nb::handle page_table,
+                          nb::handle reclaimable_obj, nb::handle active_obj, std::uintptr_t stream) {
+  (void)stream;
+  const char* call = "prefill";
+  const state_ref st = resolve_state(desc, memory, call);
+  if (st.dev.cuda())
+    fail_arg(call, "state", "is on a CUDA device: exact_greedy's prefill runs on the host (the CUDA backend has none)");
+  const any_cache cache = parse_cache(layout, k, v, page_table, st, call);
+  const kvevict::active_set active = parse_active(active_obj, st, call);
+  const kvevict::prompt_lengths prompts = parse_prompts(lengths_obj, max_length, st, call);
+  std::int32_t* reclaimable = int32_output(reclaimable_obj, st.dev, std::size_t(st.view.num_seqs()), call,
+                                           "reclaimable_pages");
+  const any_array q = parse_queries<3>(q_obj, cache, st.dev, call, "[num_seqs][num_q_heads][head_dim]");
+  kvevict::tensor_view<const float, 2> lse;
+  if (!lse_obj.is_none()) lse = float_input<2>(lse_obj, st.dev, call, "lse", "[num_seqs][num_q_heads]");
+  const kvevict::lse_base base = parse_base(base_code, call);
+  run_host(st, call, [&] {
+    visit_queries(q, cache, [&](auto qt, auto view) {
+      using Q = decltype(qt);
+      const kvevict::batch_queries<Q> in{q.view<Q, 3>(), lse, scale, base};
+      kvevict::batched_prefill(st.view, active, prompts, in, view, reclaimable, st.status);
+    });
+  });
+}
+
 }  // namespace
 
 void bind_prefill(nb::module_& m) {
@@ -202,6 +235,9 @@ void bind_prefill(nb::module_& m) {
   m.def("prefill_key_diff", &prefill_key_diff, "desc"_a, "state"_a, "lengths"_a, "max_length"_a, "layout"_a,
         "k_cache"_a, "v_cache"_a, "page_table"_a.none(), "reclaimable_pages"_a.none(), "active"_a = none,
         "workspace"_a = none, "stream"_a = 0);
+  m.def("prefill_exact_greedy", &prefill_exact_greedy, "desc"_a, "state"_a, "lengths"_a, "max_length"_a,
+        "queries"_a, "lse"_a.none(), "scale"_a, "base"_a, "layout"_a, "k_cache"_a, "v_cache"_a,
+        "page_table"_a.none(), "reclaimable_pages"_a.none(), "active"_a = none, "stream"_a = 0);
 }
 
 }  // namespace kvevict_py
