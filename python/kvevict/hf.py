@@ -335,7 +335,8 @@ class KVEvictCache(Cache):
         self.snap = (snap or SnapKV.paper()) if prompt_compression == "snapkv" else None
         if self._greedy and prompt_compression == "prefill":
             raise _ext.InvalidArgument(
-                "kvevict.hf: exact_greedy has no batched prefill; use prompt_compression='evict_to'"
+                "kvevict.hf: exact_greedy compresses a prompt by its greedy removal; use "
+                "prompt_compression='evict_to'"
             )
         if self._greedy and max_length is None:
             raise _ext.InvalidArgument("kvevict.hf: exact_greedy needs 'max_length' (prompt + new tokens)")

@@ -1,8 +1,9 @@
 #pragma once
-// What the host translation unit (bindings.cpp, compiled by the C++
-// compiler, with nanobind) and the CUDA translation units (cuda_*.cu,
-// compiled by nvcc, without nanobind) share: the policy descriptor, and the
-// type-erased arrays and caches the bindings build from DLPack tensors. The
+// What the host translation units (the bindings by topic, bindings.hpp,
+// compiled by the C++ compiler, with nanobind) and the CUDA translation
+// units (cuda_*.cu, compiled by nvcc, without nanobind) share: the policy
+// spec, the enums the bindings expose, and the type-erased arrays and
+// caches the bindings build from DLPack tensors. The
 // bindings decide nothing; these types only carry pointers, extents and
 // strides to kvevict's own calls.
 #include <cstddef>
