@@ -254,22 +254,28 @@ def _compile(source: str, name: str, extra: Dict[str, Any]) -> Callable[..., Any
 # ---- the direct route ------------------------------------------------------------------------------
 
 
+def _policy_shape(shape: str) -> str:
+    """An output's shape in terms of the policy's attributes."""
+    for letter, attr in (("B", "p.num_seqs"), ("H", "p.num_kv_heads"), ("C", "p.capacity")):
+        shape = shape.replace(letter, attr)
+    return shape
+
+
 def _direct_source(call: Call) -> str:
     """direct.<name>(p, *args, out=None, stream=None) for a BatchedPolicy p."""
     params = _params(call)
     op_args = ", ".join(a.name for a in call.args)
     outs = _OUTPUTS[call.out]
     lines = [f"def {call.name}(p{', ' + params if params else ''}, out=None, stream=None):"]
-    lines.append("    if p._torch is not None and p._torch.compiler.is_compiling():")
+    # p._is_compiling: torch.compiler.is_compiling for a torch state, else None.
+    lines.append("    if p._is_compiling is not None and p._is_compiling():")
     lines.append(f"        return p._ops().{call.name}(p.state, p.descriptor{', ' + op_args if op_args else ''})")
-    if outs:
-        lines.append("    B, H, C = p.num_seqs, p.num_kv_heads, p.capacity")
-        for i, (name, shape, fill) in enumerate(outs):
-            own = f"p._new_int32({shape}, {fill})"
-            lines.append(f"    {name} = {own if i or call.out == 'moves' else f'out if out is not None else {own}'}")
+    for i, (name, shape, fill) in enumerate(outs):
+        own = f"p._new_int32({_policy_shape(shape)}, {fill})"
+        lines.append(f"    {name} = {own if i or call.out == 'moves' else f'out if out is not None else {own}'}")
     if call.name != "init":
         lines.append(f"    if p._cuda: p._unchecked.add({call.checked or call.name!r})")
-    lines.append("    s = p._stream(stream)")
+    lines.append("    s = p._stream(stream) if p._cuda else 0")
     if call.workspace:
         lines.append("    workspace = None")
         lines.append("    if p._cuda:")
@@ -318,9 +324,8 @@ def _kernel_source(call: Call) -> str:
     outs = _OUTPUTS[call.out]
     returns = "None" if not outs else "Tensor" if len(outs) == 1 else "Tuple[Tensor, Tensor]"
     lines = [f"def {call.name}(state: Tensor, desc: List[int]{', ' + params if params else ''}) -> {returns}:"]
-    lines.append("    d = _descriptor(desc)")
+    lines.append("    d, B, H, C = _entry(desc)")
     if outs:
-        lines.append("    B, H, C = _shape(desc)")
         for name, shape, fill in outs:
             lines.append(f"    {name} = torch.full({shape}, {fill}, dtype=torch.int32, device=state.device)")
     lines.append("    s = _stream(state)")
@@ -350,8 +355,10 @@ def _fake_source(call: Call) -> str:
 def register_ops(lib: Any, helpers: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, Callable[..., Any]]]:
     """Defines ``torch.ops.kvevict.<name>`` for every call of the table in
     ``lib`` (a ``torch.library.Library("kvevict", "DEF")``): the schema,
-    the kernel (CPU and CUDA) and the fake kernel. ``helpers``: torch,
-    _descriptor, _shape, _stream (kvevict.ops). Returns the ops (the
+    the kernel (CPU and CUDA) and the fake kernel. ``helpers`` (kvevict.ops):
+    _entry (desc to (Descriptor, num_seqs, num_kv_heads, capacity), one
+    cache lookup a call), _shape (desc to the shape, for the fake kernels)
+    and _stream. Returns the ops (the
     ``OpOverload`` of each name) and the kernels by name.
 
     torch.library's define + impl rather than its ``custom_op`` decorator,

@@ -43,27 +43,27 @@ from ._calls import CALLS, register_ops
 
 __all__ = [call.name for call in CALLS]
 
-_descriptors: Dict[Tuple[int, ...], _ext.Descriptor] = {}
-_shapes: Dict[Tuple[int, ...], Tuple[int, int, int]] = {}
+_entries: Dict[Tuple[int, ...], Tuple[_ext.Descriptor, int, int, int]] = {}
+
+
+def _entry(desc: Sequence[int]) -> Tuple[_ext.Descriptor, int, int, int]:
+    """(Descriptor, num_seqs, num_kv_heads, capacity) of the spec `desc`
+    encodes, decoded and validated once per distinct desc."""
+    key = tuple(desc)
+    e = _entries.get(key)
+    if e is None:
+        d = _ext.Descriptor(_ext.PolicySpec.decode(list(key)))
+        e = _entries[key] = (d, d.spec.num_seqs, d.spec.num_kv_heads, d.spec.capacity)
+    return e
 
 
 def _descriptor(desc: Sequence[int]) -> _ext.Descriptor:
-    key = tuple(desc)
-    d = _descriptors.get(key)
-    if d is None:
-        d = _descriptors[key] = _ext.Descriptor(_ext.PolicySpec.decode(list(key)))
-        _shapes[key] = (d.spec.num_seqs, d.spec.num_kv_heads, d.spec.capacity)
-    return d
+    return _entry(desc)[0]
 
 
 def _shape(desc: Sequence[int]) -> Tuple[int, int, int]:
     """(num_seqs, num_kv_heads, capacity) of the spec `desc` encodes."""
-    key = tuple(desc)
-    s = _shapes.get(key)
-    if s is None:
-        _descriptor(key)
-        s = _shapes[key]
-    return s
+    return _entry(desc)[1:]
 
 
 def _stream(state: Tensor) -> int:
@@ -71,6 +71,6 @@ def _stream(state: Tensor) -> int:
 
 
 _lib = Library("kvevict", "DEF")  # the ops live as long as this object
-_ops, _kernels = register_ops(_lib, {"_descriptor": _descriptor, "_shape": _shape, "_stream": _stream})
+_ops, _kernels = register_ops(_lib, {"_entry": _entry, "_shape": _shape, "_stream": _stream})
 """The ops (OpOverloads) and their kernels by name (the benchmark registers the kernels as custom_op too)."""
 globals().update(_ops)

@@ -48,6 +48,8 @@ def _base_code(base: LseBase) -> "_ext.LseBase":
         ) from None
 
 
+# The decode inputs observe_evict takes, looked up once (a call passes one).
+_PROBS, _HEAD_SCORES, _LOGITS = _DecodeInput.probs, _DecodeInput.head_scores, _DecodeInput.logits
 _SNAP_INPUTS = (_PrefillInput.window_probs, _PrefillInput.window_logits, _PrefillInput.window_queries)
 
 
@@ -123,6 +125,8 @@ class BatchedPolicy:
                 )
             self.state = torch.empty(self._desc.state_bytes, dtype=torch.uint8, device=self.device)
         self._cuda = self._torch is not None and self.device.type == "cuda"
+        # Whether torch.compile is tracing (the direct route then calls the op); None for a NumPy state.
+        self._is_compiling = None if self._torch is None else self._torch.compiler.is_compiling
         # CUDA calls since the last check(): the call its refusal came from, by name.
         self._unchecked: set = set()
         _call.init(self)
@@ -271,9 +275,9 @@ class BatchedPolicy:
         if logits is None and lse is not None:
             raise _ext.InvalidArgument("kvevict.observe_evict: argument 'lse' goes with 'logits' or 'queries'")
         kind, x = (
-            (_DecodeInput.probs, probs) if probs is not None
-            else (_DecodeInput.head_scores, head_scores) if head_scores is not None
-            else (_DecodeInput.logits, logits)
+            (_PROBS, probs) if probs is not None
+            else (_HEAD_SCORES, head_scores) if head_scores is not None
+            else (_LOGITS, logits)
         )  # fmt: skip
         return _call.observe_evict(self, kind, x, lse, float(scale), base_code, active, out=out, stream=stream)
 
