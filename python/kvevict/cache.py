@@ -11,10 +11,12 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional
 
+from . import _ext
 from ._arrays import for_ext, is_torch
 
 Layout = Literal["bhsd", "bshd", "paged_nhd", "paged_hnd"]
-LAYOUT_CODES = {"bhsd": 0, "bshd": 1, "paged_nhd": 2, "paged_hnd": 3}
+LAYOUT_CODES = {name: getattr(_ext.CacheLayout, name) for name in ("bhsd", "bshd", "paged_nhd", "paged_hnd")}
+"""The layouts by name: :class:`kvevict._ext.CacheLayout` members (ints, for the torch ops)."""
 
 
 class CacheView:
@@ -38,8 +40,6 @@ class CacheView:
 
     def __init__(self, k: Any, v: Any, layout: Layout = "bhsd", page_table: Optional[Any] = None) -> None:
         if layout not in LAYOUT_CODES:
-            from . import _ext
-
             raise _ext.InvalidArgument(
                 f"kvevict.CacheView: argument 'layout' = {layout!r} is not one of {', '.join(LAYOUT_CODES)}"
             )

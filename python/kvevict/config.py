@@ -8,14 +8,12 @@ an eviction; a policy needs ``capacity >= budget + 1`` slots.
 
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass
-from typing import Any, Literal, Union
+from typing import Any, Dict, Literal, Union
 
 from . import _ext
 
 GroupReduce = Literal["sum", "mean", "max"]
-_REDUCE = {"sum": 0, "mean": 1, "max": 2}
 
 
 @dataclass(frozen=True)
@@ -38,14 +36,11 @@ class H2OConfig:
     decay: float = 1.0
     sinks: int = 0
 
-    kind = 0
+    kind = _ext.PolicyKind.h2o
 
     @property
     def budget(self) -> int:
         return self.sinks + self.heavy + self.recent
-
-    def _de(self) -> tuple[int, int]:
-        return self.sinks, _float32_bits(self.decay)
 
     @staticmethod
     def tova(heavy: int, recent: int = 0, sinks: int = 0, reduce: GroupReduce = "mean") -> "H2OConfig":
@@ -64,12 +59,13 @@ class H2OConfig:
         key-norm is the input it is observed with."""
         return H2OConfig(kept, recent, "sum", 0.0, sinks)
 
-    def _abc(self) -> tuple[int, int, int]:
-        if self.reduce not in _REDUCE:
+    def _spec_fields(self) -> Dict[str, Any]:
+        if self.reduce not in ("sum", "mean", "max"):
             raise _ext.InvalidArgument(
                 f"kvevict.H2OConfig: argument 'reduce' = {self.reduce!r} is not 'sum', 'mean' or 'max'"
             )
-        return self.heavy, self.recent, _REDUCE[self.reduce]
+        return dict(heavy=self.heavy, recent=self.recent, reduce=getattr(_ext.GroupReduce, self.reduce),
+                    decay=_float32(self.decay), sinks=self.sinks)
 
     @staticmethod
     def from_ratios(length: int, heavy_ratio: float, recent_ratio: float, reduce: GroupReduce = "sum") -> "H2OConfig":
@@ -87,14 +83,14 @@ class RecentWindowConfig:
     sinks: int
     window: int
 
-    kind = 1
+    kind = _ext.PolicyKind.recent_window
 
     @property
     def budget(self) -> int:
         return self.sinks + self.window
 
-    def _abc(self) -> tuple[int, int, int]:
-        return self.sinks, self.window, 0
+    def _spec_fields(self) -> Dict[str, Any]:
+        return dict(sinks=self.sinks, window=self.window)
 
     @staticmethod
     def from_ratio(length: int, ratio: float, sinks: int = 4) -> "RecentWindowConfig":
@@ -115,10 +111,12 @@ class RandomConfig:
     recent: int = 0
     seed: int = 0
 
-    kind = 2
+    kind = _ext.PolicyKind.random
 
-    def _abc(self) -> tuple[int, int, int]:
-        return self.budget, self.sinks, self.recent
+    def _spec_fields(self) -> Dict[str, Any]:
+        if not 0 <= self.seed < 2**64:
+            raise _ext.OutOfRange(f"kvevict.RandomConfig: argument 'seed' = {self.seed} is outside [0, 2^64)")
+        return dict(budget=self.budget, sinks=self.sinks, recent=self.recent, seed=self.seed)
 
 
 @dataclass(frozen=True)
@@ -131,16 +129,15 @@ class ExactGreedyConfig:
     recent: int = 0
     sinks: int = 0
 
-    kind = 3
+    kind = _ext.PolicyKind.exact_greedy
 
-    def _abc(self) -> tuple[int, int, int]:
-        return self.budget, self.recent, self.sinks
+    def _spec_fields(self) -> Dict[str, Any]:
+        return dict(budget=self.budget, recent=self.recent, sinks=self.sinks)
 
 
 PolicyConfig = Union[H2OConfig, RecentWindowConfig, RandomConfig, ExactGreedyConfig]
 
 SnapPooling = Literal["max", "mean"]
-_POOLING = {"max": 0, "mean": 1}
 
 
 @dataclass(frozen=True)
@@ -177,13 +174,13 @@ class SnapKV:
         """kvpress's SnapKVPress defaults: a window of 64 rows, mean pooling of width 5."""
         return SnapKV(64, 5, "mean")
 
-    def _codes(self) -> tuple[int, int]:
-        """(pool_width, pooling code) as the extension takes them."""
-        if self.pooling not in _POOLING:
+    def _codes(self) -> tuple[int, Any]:
+        """(pool_width, pooling) as the extension takes them (pooling an _ext.SnapPooling)."""
+        if self.pooling not in ("max", "mean"):
             raise _ext.InvalidArgument(
                 f"kvevict.SnapKV: argument 'pooling' = {self.pooling!r} is not 'max' or 'mean'"
             )
-        return int(self.pool_width), _POOLING[self.pooling]
+        return int(self.pool_width), getattr(_ext.SnapPooling, self.pooling)
 
     def _require_rows(self, call: str, arg: str, x: Any, dim: int) -> None:
         """The input's window rows (dimension ``dim``) are ``window``."""
@@ -195,16 +192,16 @@ class SnapKV:
             )
 
 
-def _float32_bits(x: float) -> int:
-    """The bits of x as a float32 (the C++ library validates the value;
-    beyond the float range it becomes an infinity, which it refuses)."""
-    try:
-        return struct.unpack("<I", struct.pack("<f", float(x)))[0]
-    except OverflowError:
-        return 0x7F800000 if x > 0 else 0xFF800000
+def _float32(x: float) -> float:
+    """x as the float32 the library takes (the C++ library validates the
+    value; beyond the float range it becomes an infinity, which it refuses)."""
+    x = float(x)
+    if x != x or abs(x) <= 3.4028234663852886e38:
+        return x
+    return float("inf") if x > 0 else float("-inf")
 
 
-def descriptor_values(
+def policy_spec(
     config: PolicyConfig,
     num_seqs: int,
     num_kv_heads: int,
@@ -212,30 +209,14 @@ def descriptor_values(
     capacity: int,
     max_tokens: int = 0,
     head_dim: int = 0,
-) -> tuple[int, ...]:
-    """The integers that identify a batched policy's state layout: the
-    ``desc`` argument of every ``torch.ops.kvevict`` op."""
+) -> "_ext.PolicySpec":
+    """The typed spec of a batched policy (:class:`kvevict._ext.PolicySpec`):
+    the config's fields by name with the state's shape. Its ``encode()`` is
+    the ``desc`` argument of every ``torch.ops.kvevict`` op."""
     if not isinstance(config, (H2OConfig, RecentWindowConfig, RandomConfig, ExactGreedyConfig)):
         raise _ext.InvalidArgument(
             f"kvevict: argument 'config' is a {type(config).__name__}, expected H2OConfig, "
             "RecentWindowConfig, RandomConfig or ExactGreedyConfig"
         )
-    a, b, c = config._abc()
-    seed = getattr(config, "seed", 0)
-    if not 0 <= seed < 2**64:
-        raise _ext.OutOfRange(f"kvevict.RandomConfig: argument 'seed' = {seed} is outside [0, 2^64)")
-    return (
-        config.kind,
-        num_seqs,
-        num_kv_heads,
-        num_q_heads,
-        capacity,
-        a,
-        b,
-        c,
-        seed & 0xFFFFFFFF,
-        seed >> 32,
-        max_tokens,
-        head_dim,
-        *(config._de() if isinstance(config, H2OConfig) else (0, _float32_bits(1.0))),
-    )
+    return _ext.PolicySpec(config.kind, num_seqs, num_kv_heads, num_q_heads, capacity, max_tokens=max_tokens,
+                           head_dim=head_dim, **config._spec_fields())

@@ -95,7 +95,6 @@ class KVEvictLayer(CacheLayerMixin):
         self._pool_v: Optional[torch.Tensor] = None
         self._table: Optional[torch.Tensor] = None
         self._view: Optional[CacheView] = None
-        self._probs: Optional[torch.Tensor] = None  # [B, Hq, budget + 1] while the cache fills
         self._prompt_pending = False
         self._prompt_keys: Optional[torch.Tensor] = None  # recorded: the prompt's keys, then each step's new row
         self._k_new: Optional[torch.Tensor] = None
@@ -152,7 +151,7 @@ class KVEvictLayer(CacheLayerMixin):
         self.policy = None
         self.seen = 0
         self.keys = self.values = None
-        self._pool = self._pool_v = self._table = self._view = self._probs = None
+        self._pool = self._pool_v = self._table = self._view = None
         self._prompt_keys = self._k_new = None
         self._prompt_pending = False
         self.records = []
@@ -233,7 +232,7 @@ class KVEvictLayer(CacheLayerMixin):
                 policy.observe_evict(queries=last_query, lse=last_lse, scale=scale, cache=self._view)
                 policy.evict_to(policy.budget, cache=self._view, queries=last_query, lse=last_lse, scale=scale)
             else:
-                policy.observe_evict(probs=self._padded(last_probs))
+                policy.observe_evict(probs=last_probs)
                 policy.evict_to(policy.budget, cache=self._view)
         if self.cache.record:
             self.records.append({"kind": "prompt", "length": L, "column_sums": None if column_sums is None else column_sums.cpu(),
@@ -254,17 +253,6 @@ class KVEvictLayer(CacheLayerMixin):
         self._view = CacheView.paged(self.keys, self.values, table, order="hnd")
         self._prompt_pending = False
 
-    def _padded(self, probs: torch.Tensor) -> torch.Tensor:
-        """probs [B, Hq, n] as an input at least budget + 1 wide (the batched
-        API's check): n < budget + 1 while the cache fills."""
-        W = self.policy.budget + 1
-        if probs.shape[-1] >= W:
-            return probs
-        if self._probs is None or self._probs.shape[:2] != probs.shape[:2]:
-            self._probs = probs.new_zeros((probs.shape[0], probs.shape[1], W))
-        self._probs[:, :, : probs.shape[-1]] = probs
-        return self._probs
-
     # ---- a decode step, from the attention function ------------------------------------
 
     def _observe(self, probs: torch.Tensor, query: torch.Tensor, lse: torch.Tensor, scale: float) -> None:
@@ -276,7 +264,10 @@ class KVEvictLayer(CacheLayerMixin):
         elif scores == "key_diff":
             self.policy.observe_evict_key_diff(self._view)
         else:
-            self.policy.observe_evict(probs=self._padded(probs))
+            # The real attention width: the library takes an input as narrow
+            # as each head's count (docs/semantics.md, "Input width"), which
+            # is what the cache attended over while it fills.
+            self.policy.observe_evict(probs=probs)
         if self.cache.record:
             self.records.append({"kind": "decode", "probs": probs.cpu(), "k_new": self._k_new})
 
@@ -344,7 +335,8 @@ class KVEvictCache(Cache):
         self.snap = (snap or SnapKV.paper()) if prompt_compression == "snapkv" else None
         if self._greedy and prompt_compression == "prefill":
             raise _ext.InvalidArgument(
-                "kvevict.hf: exact_greedy has no batched prefill; use prompt_compression='evict_to'"
+                "kvevict.hf: exact_greedy compresses a prompt by its greedy removal; use "
+                "prompt_compression='evict_to'"
             )
         if self._greedy and max_length is None:
             raise _ext.InvalidArgument("kvevict.hf: exact_greedy needs 'max_length' (prompt + new tokens)")

@@ -29,20 +29,28 @@ import numpy as np
 
 from . import _ext
 from ._arrays import for_ext, is_torch
+from ._calls import direct as _call
 from .cache import LAYOUT_CODES, CacheView, Layout
-from .config import ExactGreedyConfig, PolicyConfig, SnapKV, descriptor_values
+from .config import ExactGreedyConfig, PolicyConfig, SnapKV, policy_spec
 
 LseBase = Literal["natural", "base2"]
-_BASES = {"natural": 0, "base2": 1}
+_BASES = {"natural": _ext.LseBase.natural, "base2": _ext.LseBase.base2}
+_DecodeInput = _ext.DecodeInput
+_PrefillInput = _ext.PrefillInput
 
 
-def _base_code(base: LseBase) -> int:
+def _base_code(base: LseBase) -> "_ext.LseBase":
     try:
         return _BASES[base]
     except KeyError:
         raise _ext.InvalidArgument(
             f"kvevict: argument 'base' = {base!r} is not 'natural' (FlashAttention) or 'base2' (FlashInfer)"
         ) from None
+
+
+# The decode inputs observe_evict takes, looked up once (a call passes one).
+_PROBS, _HEAD_SCORES, _LOGITS = _DecodeInput.probs, _DecodeInput.head_scores, _DecodeInput.logits
+_SNAP_INPUTS = (_PrefillInput.window_probs, _PrefillInput.window_logits, _PrefillInput.window_queries)
 
 
 class BatchedPolicy:
@@ -93,10 +101,13 @@ class BatchedPolicy:
         self.num_kv_heads = num_kv_heads
         self.num_q_heads = num_q_heads
         self.capacity = capacity
-        self.descriptor: Tuple[int, ...] = descriptor_values(
+        self.spec: _ext.PolicySpec = policy_spec(
             config, num_seqs, num_kv_heads, num_q_heads, capacity, max_tokens or 0, head_dim or 0
         )
-        self._desc = _ext.Descriptor(list(self.descriptor))  # validates the shape and config
+        """The typed spec: kind, shape and config fields by name."""
+        self.descriptor: Tuple[int, ...] = tuple(self.spec.encode())
+        """``spec.encode()``: the ``desc`` argument of the ``torch.ops.kvevict`` ops."""
+        self._desc = _ext.Descriptor(self.spec)  # validates the shape and config
         self.budget: int = self._desc.budget
         if device is None:
             self._torch = None
@@ -114,9 +125,11 @@ class BatchedPolicy:
                 )
             self.state = torch.empty(self._desc.state_bytes, dtype=torch.uint8, device=self.device)
         self._cuda = self._torch is not None and self.device.type == "cuda"
+        # Whether torch.compile is tracing (the direct route then calls the op); None for a NumPy state.
+        self._is_compiling = None if self._torch is None else self._torch.compiler.is_compiling
         # CUDA calls since the last check(): the call its refusal came from, by name.
         self._unchecked: set = set()
-        _ext.init(self._desc, for_ext(self.state), self._stream(None))
+        _call.init(self)
         self._offsets = _ext.state_offsets(self._desc, for_ext(self.state))
         B, H, C = num_seqs, num_kv_heads, capacity
         self.positions = self._int32_view("positions", (B, H, C))
@@ -166,7 +179,7 @@ class BatchedPolicy:
     def status(self, stream: Any = None) -> int:
         """The raw 64-bit status word (``kvevict._ext.STATUS_CLEAR`` when clear);
         on CUDA it waits for ``stream``."""
-        return _ext.status_word(self._desc, for_ext(self.state), self._stream(stream))
+        return _call.status_word(self, stream=stream)
 
     def check(self, stream: Any = None) -> None:
         """Raises the first bad input recorded since the last check, and clears
@@ -176,7 +189,7 @@ class BatchedPolicy:
         # does, when one kind of call ran since the last check.
         call = next(iter(self._unchecked)) if len(self._unchecked) == 1 else "check"
         self._unchecked = set()
-        _ext.check(self._desc, for_ext(self.state), self._stream(stream), call)
+        _call.check(self, call, stream=stream)
 
     # ---- the calls ------------------------------------------------------------
 
@@ -184,11 +197,7 @@ class BatchedPolicy:
         """Forgets the active sequences (all by default): every slot free,
         scores 0, length 0. ``streams`` (random): one request stream per active
         entry, else the sequence index."""
-        if self._compiling():
-            return self._ops().reset(self.state, self.descriptor, self._active(active), self._array(streams, np.int64))
-        self._launched("reset")
-        _ext.reset(self._desc, for_ext(self.state), for_ext(self._active(active)), for_ext(self._array(streams, np.uint64)),
-                   self._stream(stream))
+        _call.reset(self, self._active(active), self._array(streams, np.uint64), stream=stream)
 
     def append(
         self,
@@ -208,21 +217,10 @@ class BatchedPolicy:
         if cache is None:
             if k_new is not None or v_new is not None:
                 raise _ext.InvalidArgument("kvevict.append: argument 'k_new'/'v_new' need 'cache'")
-            if self._compiling():
-                return self._ops().append(self.state, self.descriptor, active)
-            self._launched("append")
-            return _ext.append(self._desc, for_ext(self.state), for_ext(active), self._stream(stream))
+            return _call.append(self, active, stream=stream)
         if k_new is None or v_new is None:
             raise _ext.InvalidArgument("kvevict.append: argument 'k_new' and 'v_new' are required with 'cache'")
-        if self._compiling():
-            return self._ops().append_kv(
-                self.state, self.descriptor, cache.k, cache.v, cache.page_table, cache._code, k_new, v_new, active
-            )
-        self._launched("append")
-        _ext.append_kv(
-            self._desc, for_ext(self.state), cache._code, cache._ext_k(), cache._ext_v(), for_ext(cache.page_table),
-            for_ext(k_new), for_ext(v_new), for_ext(active), self._stream(stream),
-        )  # fmt: skip
+        _call.append_kv(self, cache._k, cache._v, cache.page_table, cache._code, k_new, v_new, active, stream=stream)
 
     def observe_evict(
         self,
@@ -268,33 +266,20 @@ class BatchedPolicy:
         if queries is not None:
             if cache is None or lse is None:
                 raise _ext.InvalidArgument("kvevict.observe_evict: argument 'queries' needs 'lse' and 'cache'")
-            if self._compiling():
-                return self._ops().observe_evict_queries(
-                    self.state, self.descriptor, queries, lse, float(scale), base_code,
-                    cache.k, cache.v, cache.page_table, cache._code, active,
-                )  # fmt: skip
-            victims = self._victims(out)
-            self._launched("observe_evict")
-            _ext.observe_evict_queries(
-                self._desc, for_ext(self.state), for_ext(queries), for_ext(lse), float(scale), base_code, cache._code,
-                cache._ext_k(), cache._ext_v(), for_ext(cache.page_table), for_ext(victims), for_ext(active),
-                self._stream(stream),
+            return _call.observe_evict_queries(
+                self, queries, lse, float(scale), base_code, cache._k, cache._v, cache.page_table, cache._code, active,
+                out=out, stream=stream,
             )  # fmt: skip
-            return victims
         if logits is not None and lse is None:
             raise _ext.InvalidArgument("kvevict.observe_evict: argument 'lse' is required with 'logits'")
         if logits is None and lse is not None:
             raise _ext.InvalidArgument("kvevict.observe_evict: argument 'lse' goes with 'logits' or 'queries'")
-        kind, x = (0, probs) if probs is not None else (1, head_scores) if head_scores is not None else (2, logits)
-        if self._compiling():
-            return self._ops().observe_evict(self.state, self.descriptor, kind, x, lse, float(scale), base_code, active)
-        victims = self._victims(out)
-        self._launched("observe_evict")
-        _ext.observe_evict(
-            self._desc, for_ext(self.state), kind, for_ext(x), for_ext(lse), float(scale), base_code, for_ext(victims),
-            for_ext(active), self._stream(stream),
+        kind, x = (
+            (_PROBS, probs) if probs is not None
+            else (_HEAD_SCORES, head_scores) if head_scores is not None
+            else (_LOGITS, logits)
         )  # fmt: skip
-        return victims
+        return _call.observe_evict(self, kind, x, lse, float(scale), base_code, active, out=out, stream=stream)
 
     def observe_evict_key_norms(
         self,
@@ -348,24 +333,15 @@ class BatchedPolicy:
         if isinstance(k_cache, CacheView):
             if page_table is not None or layout is not None:
                 raise _ext.InvalidArgument(f"kvevict.{name}: argument 'layout'/'page_table' come from the CacheView")
-            k, ext_k, code, page_table = k_cache.k, k_cache._ext_k(), k_cache._code, k_cache.page_table
+            k, code, page_table = k_cache._k, k_cache._code, k_cache.page_table
         else:
             layout = "bhsd" if layout is None else layout
             if layout not in LAYOUT_CODES:
                 raise _ext.InvalidArgument(
                     f"kvevict.{name}: argument 'layout' = {layout!r} is not one of {', '.join(LAYOUT_CODES)}"
                 )
-            k, ext_k, code = k_cache, None, LAYOUT_CODES[layout]
-        active = self._active(active)
-        if self._compiling():
-            return getattr(self._ops(), name)(self.state, self.descriptor, k, page_table, code, active)
-        victims = self._victims(out)
-        self._launched("observe_evict")
-        getattr(_ext, name)(
-            self._desc, for_ext(self.state), code, for_ext(k) if ext_k is None else ext_k, for_ext(page_table),
-            for_ext(victims), for_ext(active), self._stream(stream),
-        )  # fmt: skip
-        return victims
+            k, code = k_cache, LAYOUT_CODES[layout]
+        return getattr(_call, name)(self, k, page_table, code, self._active(active), out=out, stream=stream)
 
     def prefill(
         self,
@@ -396,8 +372,8 @@ class BatchedPolicy:
         in position order, to slots ``[0, kept)``. ``M = max_length`` (default:
         the largest length; give it for CUDA lengths to avoid a sync).
         Returns int32 [num_seqs]: trailing pages of a paged prompt no longer
-        needed. exact_greedy has no batched prefill. Scored by the norms of
-        the prompt's cached keys instead: :meth:`prefill_key_norms`; by
+        needed. exact_greedy's prefill: :meth:`prefill_exact_greedy`. Scored
+        by the norms of the prompt's cached keys instead: :meth:`prefill_key_norms`; by
         their cosine to their head's mean direction (KeyDiff):
         :meth:`prefill_key_diff`; by the attention of the prompt's last rows
         (SnapKV): :meth:`prefill_snapkv`.
@@ -410,31 +386,20 @@ class BatchedPolicy:
         lengths = self._array(lengths, np.int32)
         if max_length is None:
             max_length = int(lengths.max()) if len(lengths) else 0
-        kind, x = (0, probs) if probs is not None else (1, column_sums) if column_sums is not None else (2, queries) if queries is not None else (3, None)
-        if kind == 2 and lse is None:
+        kind, x = (
+            (_PrefillInput.probs, probs) if probs is not None
+            else (_PrefillInput.sums, column_sums) if column_sums is not None
+            else (_PrefillInput.queries, queries) if queries is not None
+            else (_PrefillInput.none, None)
+        )  # fmt: skip
+        if kind == _PrefillInput.queries and lse is None:
             raise _ext.InvalidArgument("kvevict.prefill: argument 'lse' is required with 'queries'")
         base_code = _base_code(base)
         active = self._active(active)
-        if self._compiling():
-            return self._ops().prefill(
-                self.state, self.descriptor, lengths, int(max_length), kind, x, lse, float(scale), base_code,
-                cache.k, cache.v, cache.page_table, cache._code, active,
-            )  # fmt: skip
-        if self._cuda:
-            from . import ops
-
-            self._launched("prefill")
-            return ops.prefill(
-                self.state, self.descriptor, lengths, int(max_length), kind, x, lse, float(scale), base_code,
-                cache.k, cache.v, cache.page_table, cache._code, active,
-            )  # fmt: skip
-        reclaimable = self._new_int32((self.num_seqs,), 0)
-        _ext.prefill(
-            self._desc, for_ext(self.state), for_ext(lengths), int(max_length), kind, for_ext(x), for_ext(lse),
-            float(scale), base_code, cache._code, cache._ext_k(), cache._ext_v(), for_ext(cache.page_table),
-            for_ext(reclaimable), for_ext(active), None, 0,
+        return _call.prefill(
+            self, lengths, int(max_length), kind, x, lse, float(scale), base_code, cache._k, cache._v,
+            cache.page_table, cache._code, active, stream=stream,
         )  # fmt: skip
-        return reclaimable
 
     def prefill_key_norms(
         self,
@@ -451,8 +416,8 @@ class BatchedPolicy:
         smallest norm between them (the newer on a tie); it takes this only
         with decay 0 (:meth:`H2OConfig.key_norm`; another decay raises
         :class:`InvalidArgument` naming it, nothing changed). recent_window
-        and random accept it as they accept no scores; exact_greedy has no
-        batched prefill. The kept K and V rows move, in position order, to
+        and random accept it as they accept no scores; exact_greedy
+        compresses with :meth:`prefill_exact_greedy`. The kept K and V rows move, in position order, to
         slots ``[0, kept)``. A key whose norm is not finite (NaN, infinity,
         squares that overflow float32) anywhere in a prompt leaves that
         sequence unchanged and raises :class:`NonFiniteError` at (sequence,
@@ -460,15 +425,7 @@ class BatchedPolicy:
         :meth:`prefill`. Returns int32 [num_seqs]: trailing pages of a paged
         prompt no longer needed. On CUDA it runs on torch's current stream.
         """
-        return self._prefill_from_keys(
-            "prefill_key_norms", lengths, cache, max_length, active,
-            lambda lengths, m, active: self._ops().prefill_key_norms(
-                self.state, self.descriptor, lengths, m, cache.k, cache.v, cache.page_table, cache._code, active),
-            lambda lengths, m, reclaimable, active: _ext.prefill(
-                self._desc, for_ext(self.state), for_ext(lengths), m, 4, None, None, 1.0, 0, cache._code,
-                cache._ext_k(), cache._ext_v(), for_ext(cache.page_table), for_ext(reclaimable), for_ext(active),
-                None, 0),
-        )  # fmt: skip
+        return self._prefill_from_keys("prefill_key_norms", lengths, cache, max_length, active)
 
     def prefill_key_diff(
         self,
@@ -490,7 +447,8 @@ class BatchedPolicy:
         policy goes on by its own rule (attention, or key norms with
         :meth:`H2OConfig.key_norm`) from the KeyDiff scores it kept. Any h2o
         config takes it (every decay); recent_window and random accept it
-        as they accept no scores; exact_greedy has no batched prefill.
+        as they accept no scores; exact_greedy compresses with
+        :meth:`prefill_exact_greedy`.
 
         The kept K and V rows move, in position order, to slots ``[0,
         kept)``. A key whose norm is not finite (NaN, infinity, squares that
@@ -503,20 +461,11 @@ class BatchedPolicy:
         computes every score (the anchor summed exactly, so the host and
         CUDA give the same bits).
         """
-        return self._prefill_from_keys(
-            "prefill_key_diff", lengths, cache, max_length, active,
-            lambda lengths, m, active: self._ops().prefill_key_diff(
-                self.state, self.descriptor, lengths, m, cache.k, cache.v, cache.page_table, cache._code, active),
-            lambda lengths, m, reclaimable, active: _ext.prefill_key_diff(
-                self._desc, for_ext(self.state), for_ext(lengths), m, cache._code, cache._ext_k(), cache._ext_v(),
-                for_ext(cache.page_table), for_ext(reclaimable), for_ext(active), None, 0),
-        )  # fmt: skip
+        return self._prefill_from_keys("prefill_key_diff", lengths, cache, max_length, active)
 
-    def _prefill_from_keys(self, call: str, lengths: Any, cache: Any, max_length: Optional[int], active: Any,
-                           op: Any, ext: Any) -> Any:
+    def _prefill_from_keys(self, call: str, lengths: Any, cache: Any, max_length: Optional[int], active: Any) -> Any:
         """The prefills scored from the cached keys alone (key norms,
-        KeyDiff): checks the cache view, derives max_length, then runs the
-        torch op (compiling, or on CUDA) or the extension on the host."""
+        KeyDiff): checks the cache view, derives max_length, then calls."""
         if not isinstance(cache, CacheView):
             raise _ext.InvalidArgument(
                 f"kvevict.{call}: argument 'cache' must be a CacheView (K and V: the kept rows move)"
@@ -524,13 +473,8 @@ class BatchedPolicy:
         lengths = self._array(lengths, np.int32)
         if max_length is None:
             max_length = int(lengths.max()) if len(lengths) else 0
-        active = self._active(active)
-        if self._compiling() or self._cuda:
-            self._launched("prefill")
-            return op(lengths, int(max_length), active)
-        reclaimable = self._new_int32((self.num_seqs,), 0)
-        ext(lengths, int(max_length), reclaimable, active)
-        return reclaimable
+        return getattr(_call, call)(self, lengths, int(max_length), cache._k, cache._v, cache.page_table, cache._code,
+                                    self._active(active))
 
     def prefill_snapkv(
         self,
@@ -592,6 +536,7 @@ class BatchedPolicy:
             raise _ext.InvalidArgument(
                 "kvevict.prefill_snapkv: argument 'cache' must be a CacheView (K and V: the kept rows move)"
             )
+        # the op's input code (0 probs, 1 logits, 2 queries) and the extension's
         kind, x = (0, probs) if probs is not None else (1, logits) if logits is not None else (2, queries)
         if kind and lse is None:
             raise _ext.InvalidArgument(f"kvevict.prefill_snapkv: argument 'lse' is required with '{given[0]}'")
@@ -603,20 +548,54 @@ class BatchedPolicy:
         lengths = self._array(lengths, np.int32)
         if max_length is None:
             max_length = int(lengths.max()) if len(lengths) else 0
-        active = self._active(active)
-        if self._compiling() or self._cuda:
-            self._launched("prefill")
-            return self._ops().prefill_snapkv(
-                self.state, self.descriptor, lengths, int(max_length), kind, x, lse, float(scale), base_code,
-                pool_width, pooling, cache.k, cache.v, cache.page_table, cache._code, active,
-            )  # fmt: skip
-        reclaimable = self._new_int32((self.num_seqs,), 0)
-        _ext.prefill_snapkv(
-            self._desc, for_ext(self.state), for_ext(lengths), int(max_length), kind, for_ext(x), for_ext(lse),
-            float(scale), base_code, pool_width, pooling, cache._code, cache._ext_k(), cache._ext_v(),
-            for_ext(cache.page_table), for_ext(reclaimable), for_ext(active), None, 0,
+        return _call.prefill_snapkv(
+            self, lengths, int(max_length), kind, x, lse, float(scale), base_code, pool_width, pooling, cache._k,
+            cache._v, cache.page_table, cache._code, self._active(active),
         )  # fmt: skip
-        return reclaimable
+
+    def prefill_exact_greedy(
+        self,
+        lengths: Any,
+        *,
+        cache: CacheView,
+        queries: Any,
+        lse: Any = None,
+        scale: float = 1.0,
+        base: LseBase = "natural",
+        max_length: Optional[int] = None,
+        active: Any = None,
+    ) -> Any:
+        """exact_greedy's prompt compression (the C++ ``batched_prefill``
+        with ``batch_queries``; on the host, CUDA has none): prompt ``b`` of
+        ``lengths[b]`` tokens in slots ``[0, lengths[b])`` of ``cache``
+        joins the history, then per KV head the greedy removal of
+        :meth:`evict_to` runs until ``min(L, budget)`` tokens remain: every
+        cached token is scored with the leave-one-out error its eviction
+        would cause for ``queries`` [num_seqs, num_q_heads, head_dim]
+        (float32 or the cache's dtype: the queries of each prompt's last
+        row; ``lse`` [num_seqs, num_q_heads] may be given but is not read),
+        and the unprotected token of the lowest (error, position) goes. The
+        kept K and V rows move, in position order, to slots ``[0, kept)``;
+        kept tokens score 0 (the next observe scores them all). The same
+        tokens as ``append_tokens(L)``, ``observe_evict(queries=...)`` and
+        ``evict_to(budget, ...)``, in one call and without a capacity of L
+        + 1. A prompt longer than the history (``max_tokens``) or a
+        non-finite query, key or value leaves its sequence unchanged (the
+        rest of the batch is compressed) and raises the lowest offender.
+        ``max_length`` as in :meth:`prefill`. Returns int32 [num_seqs]:
+        trailing pages of a paged prompt no longer needed."""
+        if not isinstance(cache, CacheView):
+            raise _ext.InvalidArgument(
+                "kvevict.prefill_exact_greedy: argument 'cache' must be a CacheView (K and V: the kept rows move)"
+            )
+        base_code = _base_code(base)
+        lengths = self._array(lengths, np.int32)
+        if max_length is None:
+            max_length = int(lengths.max()) if len(lengths) else 0
+        return _call.prefill_exact_greedy(
+            self, lengths, int(max_length), queries, lse, float(scale), base_code, cache._k, cache._v,
+            cache.page_table, cache._code, self._active(active),
+        )  # fmt: skip
 
     def append_tokens(self, tokens: int, active: Any = None, stream: Any = None) -> None:
         """Appends ``tokens`` positions to every active sequence at once
@@ -624,11 +603,7 @@ class BatchedPolicy:
         to its next slot for ``j = 0`` (when there is one), then to slots
         ``count, count + 1, ...``; the caller writes their rows. Needs
         ``count + tokens <= capacity``. Then observe_evict, then :meth:`evict_to`."""
-        active = self._active(active)
-        if self._compiling():
-            return self._ops().append_tokens(self.state, self.descriptor, int(tokens), active)
-        self._launched("append_tokens")
-        _ext.append_tokens(self._desc, for_ext(self.state), int(tokens), for_ext(active), self._stream(stream))
+        _call.append_tokens(self, int(tokens), self._active(active), stream=stream)
 
     def evict_to(
         self,
@@ -662,44 +637,20 @@ class BatchedPolicy:
                 raise _ext.InvalidArgument(
                     "kvevict.evict_to: exact_greedy's evict_to needs 'cache' (it reads the keys and values)"
                 )
-            if self._compiling():
-                return self._ops().evict_to_moves(self.state, self.descriptor, int(target), active)
-            B, H, C = self.num_seqs, self.num_kv_heads, self.capacity
-            moves = self._new_int32((B, H, C, 2), -1)
-            counts = self._new_int32((B, H), 0)
-            self._launched("evict_to")
-            _ext.evict_to_moves(
-                self._desc, for_ext(self.state), int(target), for_ext(moves), for_ext(counts), for_ext(active),
-                self._stream(stream),
-            )  # fmt: skip
-            return moves, counts
-        if self._compiling():
-            return self._ops().evict_to(
-                self.state, self.descriptor, int(target), cache.k, cache.v, cache.page_table, cache._code,
-                queries, lse, float(scale), base_code, active,
-            )  # fmt: skip
-        freed = self._new_int32((self.num_seqs, self.num_kv_heads), 0)
-        self._launched("evict_to")
-        _ext.evict_to(
-            self._desc, for_ext(self.state), int(target), cache._code, cache._ext_k(), cache._ext_v(),
-            for_ext(cache.page_table), for_ext(queries), for_ext(lse), float(scale), base_code, for_ext(freed),
-            for_ext(active), self._stream(stream),
+            return _call.evict_to_moves(self, int(target), active, stream=stream)
+        return _call.evict_to(
+            self, int(target), cache._k, cache._v, cache.page_table, cache._code, queries, lse, float(scale),
+            base_code, active, stream=stream,
         )  # fmt: skip
-        return freed
 
     # ---- helpers ----------------------------------------------------------------
 
-    def _compiling(self) -> bool:
-        # Under torch.compile the calls go through the torch.ops.kvevict
-        # custom ops (which have fake kernels); eagerly they call the
-        # extension directly, which costs less per call.
-        torch = self._torch
-        return torch is not None and torch.compiler.is_compiling()
-
-    def _launched(self, call: str) -> None:
-        """Notes an eager CUDA call, whose refusal check() raises later."""
-        if self._cuda and not self._compiling():
-            self._unchecked.add(call)
+    # Every call goes through kvevict._calls.direct, generated from the
+    # call table: eagerly the extension itself (the least a call costs),
+    # under torch.compile the torch.ops.kvevict op (which has a fake
+    # kernel). It reads _desc, state, descriptor, _torch, _cuda,
+    # _unchecked (eager CUDA calls, whose refusal check() raises later),
+    # and the helpers below.
 
     def _ops(self) -> Any:
         from . import ops
@@ -733,11 +684,6 @@ class BatchedPolicy:
         if self._torch is None:
             return np.full(shape, fill, dtype=np.int32)
         return self._torch.full(shape, fill, dtype=self._torch.int32, device=self.device)
-
-    def _victims(self, out: Any) -> Any:
-        if out is not None:
-            return out
-        return self._new_int32((self.num_seqs, self.num_kv_heads), -1)
 
     def __repr__(self) -> str:
         return (

@@ -17,10 +17,8 @@ import numpy as np
 from . import _ext
 from ._arrays import for_ext
 from .cache import LAYOUT_CODES, CacheView
-from .config import ExactGreedyConfig, H2OConfig, RandomConfig, RecentWindowConfig, SnapKV
-from .policy import _base_code
-
-_REDUCE = {"sum": 0, "mean": 1, "max": 2}
+from .config import ExactGreedyConfig, H2OConfig, RandomConfig, RecentWindowConfig, SnapKV, policy_spec
+from .policy import _SNAP_INPUTS, _base_code
 
 
 class SequencePolicy:
@@ -49,13 +47,11 @@ class SequencePolicy:
         q = num_kv_heads if num_q_heads is None else num_q_heads
         shape = (num_seqs, num_kv_heads, q, capacity)
         if isinstance(config, H2OConfig):
-            self._p = _ext.SequenceH2O(
-                *shape, config.heavy, config.recent, _REDUCE.get(config.reduce, -1), d=config.sinks, decay=config.decay
-            )
+            self._p = _ext.SequenceH2O(policy_spec(config, *shape))
         elif isinstance(config, RecentWindowConfig):
-            self._p = _ext.SequenceRecentWindow(*shape, config.sinks, config.window)
+            self._p = _ext.SequenceRecentWindow(policy_spec(config, *shape))
         elif isinstance(config, RandomConfig):
-            self._p = _ext.SequenceRandom(*shape, config.budget, config.sinks, config.recent, config.seed)
+            self._p = _ext.SequenceRandom(policy_spec(config, *shape))
         elif isinstance(config, ExactGreedyConfig):
             raise _ext.InvalidArgument(
                 "kvevict.SequencePolicy: argument 'config' is exact_greedy, whose per-sequence API needs the "
@@ -78,7 +74,7 @@ class SequencePolicy:
         self._p.observe_head_scores(b, scores)
 
     def observe_logits(self, b: int, logits: Any, lse: Any, scale: float = 1.0, base: str = "natural") -> None:
-        self._p.observe_logits(b, logits, lse, scale, 0 if base == "natural" else 1)
+        self._p.observe_logits(b, logits, lse, scale, _base_code(base))
 
     def observe_key_norms(self, b: int, k_cache: Any, layout: str = "bhsd", page_table: Any = None) -> None:
         """Key-norm scoring of sequence b: each occupied slot's score becomes
@@ -199,7 +195,7 @@ class SequencePolicy:
         pool_width, pooling = snap._codes()
         base_code = _base_code(base)
         code, k, v, table = self._cache_args(k_cache, v_cache, layout, page_table)
-        return tuple(self._p.prefill_snapkv(b, length, kind, for_ext(x), for_ext(lse), float(scale), base_code,
+        return tuple(self._p.prefill_snapkv(b, length, _SNAP_INPUTS[kind], for_ext(x), for_ext(lse), float(scale), base_code,
                                             pool_width, pooling, code, k, v, table))  # fmt: skip
 
     def _cache_args(
@@ -232,7 +228,7 @@ class SequencePolicy:
         return self._p.scores()
 
 
-def _layout_code(layout: str) -> int:
+def _layout_code(layout: str) -> "_ext.CacheLayout":
     if layout not in LAYOUT_CODES:
         raise _ext.InvalidArgument(
             f"kvevict.SequencePolicy: argument 'layout' = {layout!r} is not one of {', '.join(LAYOUT_CODES)}"

@@ -1,8 +1,9 @@
 #pragma once
-// What the host translation unit (bindings.cpp, compiled by the C++
-// compiler, with nanobind) and the CUDA translation units (cuda_*.cu,
-// compiled by nvcc, without nanobind) share: the policy descriptor, and the
-// type-erased arrays and caches the bindings build from DLPack tensors. The
+// What the host translation units (the bindings by topic, bindings.hpp,
+// compiled by the C++ compiler, with nanobind) and the CUDA translation
+// units (cuda_*.cu, compiled by nvcc, without nanobind) share: the policy
+// spec, the enums the bindings expose, and the type-erased arrays and
+// caches the bindings build from DLPack tensors. The
 // bindings decide nothing; these types only carry pointers, extents and
 // strides to kvevict's own calls.
 #include <cstddef>
@@ -20,18 +21,26 @@ using kvevict::batch_state_view;
 /// Which kvevict policy a batched state belongs to.
 enum class policy_kind : std::int32_t { h2o = 0, recent_window = 1, random = 2, exact_greedy = 3 };
 
-/// A policy's shape and configuration as plain integers: what every call
-/// needs to carve the state out of its memory. The same integers are the
-/// `int[]` argument of the torch.library ops (see policy.py).
-struct descriptor {
+/// A policy's shape and configuration, each field by its name: what every
+/// call needs to carve the state out of its memory. The fields a policy
+/// kind does not use stay at their defaults (h2o: heavy, recent, reduce,
+/// decay, sinks; recent_window: sinks, window; random: budget, sinks,
+/// recent, seed; exact_greedy: budget, recent, sinks; history: exact_greedy's
+/// K/V history, or h2o's KeyDiff anchors with head_dim alone). Bound to
+/// Python as kvevict._ext.PolicySpec; its int[] form for the torch.library
+/// ops is the codec of spec_codec.hpp, the one place that orders the fields.
+struct policy_spec {
   policy_kind kind = policy_kind::h2o;
   kvevict::policy_shape shape;
-  // h2o: heavy, recent, reduce, sinks, decay; recent_window: sinks, window;
-  // random: budget, sinks, recent; exact_greedy: budget, recent, sinks.
-  std::int32_t a = 0, b = 0, c = 0, d = 0;
+  std::int32_t heavy = 0;
+  std::int32_t recent = 0;
+  kvevict::group_reduce reduce = kvevict::group_reduce::sum;
   float decay = 1.0f;
+  std::int32_t sinks = 0;
+  std::int32_t window = 0;
+  std::int32_t budget = 0;
   std::uint64_t seed = 0;
-  kvevict::history_extent history;  ///< exact_greedy's history, or h2o's KeyDiff anchors (head_dim)
+  kvevict::history_extent history;  ///< max_tokens, head_dim
 };
 
 /// Calls f(policy tag, config) with the kvevict policy type of `d`.
@@ -41,19 +50,18 @@ struct policy_tag {
 };
 
 template <class F>
-decltype(auto) with_policy(const descriptor& d, F&& f) {
+decltype(auto) with_policy(const policy_spec& d, F&& f) {
   switch (d.kind) {
     case policy_kind::h2o:
-      return f(policy_tag<kvevict::h2o_policy>{},
-               kvevict::h2o_config{d.a, d.b, static_cast<kvevict::group_reduce>(d.c), d.decay, d.d});
+      return f(policy_tag<kvevict::h2o_policy>{}, kvevict::h2o_config{d.heavy, d.recent, d.reduce, d.decay, d.sinks});
     case policy_kind::recent_window:
-      return f(policy_tag<kvevict::recent_window_policy>{}, kvevict::recent_window_config{d.a, d.b});
+      return f(policy_tag<kvevict::recent_window_policy>{}, kvevict::recent_window_config{d.sinks, d.window});
     case policy_kind::random:
-      return f(policy_tag<kvevict::random_policy>{}, kvevict::random_config{d.a, d.b, d.c, d.seed});
+      return f(policy_tag<kvevict::random_policy>{}, kvevict::random_config{d.budget, d.sinks, d.recent, d.seed});
     case policy_kind::exact_greedy:
-      return f(policy_tag<kvevict::exact_greedy_policy>{}, kvevict::exact_greedy_config{d.a, d.b, d.c});
+      return f(policy_tag<kvevict::exact_greedy_policy>{}, kvevict::exact_greedy_config{d.budget, d.recent, d.sinks});
   }
-  kvevict::detail::fail<kvevict::invalid_argument>(kvevict::detail::site{"python", "descriptor"}, "kind", "= ",
+  kvevict::detail::fail<kvevict::invalid_argument>(kvevict::detail::site{"python", "PolicySpec"}, "kind", "= ",
                                                    static_cast<int>(d.kind), " is not a policy kind (0..3)");
 }
 
@@ -142,6 +150,30 @@ decltype(auto) visit_queries(const any_array& q, const any_cache& c, F&& f) {
   });
 }
 
+/// The inputs of a decode step (observe_evict): probs [B][Hq][W],
+/// head_scores [B][Hkv][W], logits [B][Hq][W] with lse; queries with lse
+/// and the cache; the cached keys alone (key norms, KeyDiff).
+enum class decode_input : std::int32_t {
+  probs = 0,
+  head_scores = 1,
+  logits = 2,
+  queries = 3,
+  key_norms = 4,
+  key_diff = 5,
+};
+
+inline const char* decode_input_name(decode_input kind) noexcept {
+  switch (kind) {
+    case decode_input::probs: return "probs";
+    case decode_input::head_scores: return "head_scores";
+    case decode_input::logits: return "logits";
+    case decode_input::queries: return "queries";
+    case decode_input::key_norms: return "key_norms";
+    case decode_input::key_diff: return "key_diff";
+  }
+  return "?";
+}
+
 /// The inputs of a batched prefill (key_norms, key_diff: the cached keys
 /// themselves, kvevict/policy/key_diff.hpp for KeyDiff; window_*: SnapKV's
 /// observation window, kvevict/policy/snapkv.hpp).
@@ -156,6 +188,21 @@ enum class prefill_input : std::int32_t {
   window_queries = 7,
   key_diff = 8,
 };
+
+inline const char* prefill_input_name(prefill_input kind) noexcept {
+  switch (kind) {
+    case prefill_input::probs: return "probs";
+    case prefill_input::sums: return "sums";
+    case prefill_input::queries: return "queries";
+    case prefill_input::none: return "none";
+    case prefill_input::key_norms: return "key_norms";
+    case prefill_input::window_probs: return "window_probs";
+    case prefill_input::window_logits: return "window_logits";
+    case prefill_input::window_queries: return "window_queries";
+    case prefill_input::key_diff: return "key_diff";
+  }
+  return "?";
+}
 
 inline bool is_window(prefill_input kind) noexcept {
   return kind == prefill_input::window_probs || kind == prefill_input::window_logits ||

@@ -22,8 +22,7 @@ HQ = H * G
 
 
 def fake_state(config, **history):
-    values = kv.config.descriptor_values(config, B, H, HQ, C, *history.values())
-    desc = _ext.Descriptor(list(values))
+    desc = _ext.Descriptor(kv.config.policy_spec(config, B, H, HQ, C, *history.values()))
     return desc, FakeCudaArray((desc.state_bytes,), "uint8")
 
 

@@ -344,7 +344,7 @@ def test_torch_compile_traces_the_key_norm_step():
 @pytest.mark.skipif(not kv.cuda_available, reason="this kvevict was built without CUDA (no nvcc)")
 def test_cuda_checks_before_a_launch():
     def fake_state(config):
-        desc = _ext.Descriptor(list(kv.config.descriptor_values(config, B, H, H, 8)))
+        desc = _ext.Descriptor(kv.config.policy_spec(config, B, H, H, 8))
         return desc, FakeCudaArray((desc.state_bytes,), "uint8")
 
     desc, state = fake_state(kv.H2OConfig(3, 2))

@@ -302,9 +302,12 @@ def test_argument_errors():
     with pytest.raises(kv.InvalidArgument, match=r"argument 'lengths' has dtype int64, expected int32"):
         _ext.prefill_key_diff(policy._desc, policy.state, np.array(lengths, np.int64), 8, 0, cache.k, cache.v, None,
                               None)  # fmt: skip
-    with pytest.raises(kv.InvalidArgument, match=r"argument 'layout' = 9 is not a cache layout"):
+    # The layout is a typed _ext.CacheLayout: a value outside it does not reach the call.
+    with pytest.raises(TypeError, match=r"incompatible function arguments"):
         _ext.prefill_key_diff(policy._desc, policy.state, np.array(lengths, np.int32), 8, 9, cache.k, cache.v, None,
                               None)  # fmt: skip
+    with pytest.raises(ValueError):
+        _ext.CacheLayout(9)
     with pytest.raises(kv.InvalidArgument, match=r"argument 'k_cache' is on cuda:0, the state is on cpu"):
         policy.prefill_key_diff(lengths, cache=kv.CacheView.bhsd(FakeCudaArray(cache.k.shape), cache.v))
     np.testing.assert_array_equal(policy.state, state)
@@ -393,7 +396,7 @@ def test_torch_compile_traces_the_key_diff_prefill():
 
 @pytest.mark.skipif(not kv.cuda_available, reason="this kvevict was built without CUDA (no nvcc)")
 def test_cuda_checks_before_a_launch():
-    desc = _ext.Descriptor(list(kv.config.descriptor_values(kv.H2OConfig(3, 2), B, H, H, 8)))
+    desc = _ext.Descriptor(kv.config.policy_spec(kv.H2OConfig(3, 2), B, H, H, 8))
     state = FakeCudaArray((desc.state_bytes,), "uint8")
     lengths = FakeCudaArray((B,), "int32")
     k, v = FakeCudaArray((B, H, 8, D), "float16"), FakeCudaArray((B, H, 8, D), "float16")

@@ -282,8 +282,11 @@ def test_argument_errors():
     with pytest.raises(kv.InvalidArgument, match=r"argument 'k_cache' is on cuda:0, the state is on cpu"):
         policy.prefill_key_norms([7, 5, 8, 6], cache=kv.CacheView.bhsd(FakeCudaArray(cache.k.shape), cache.v))
     np.testing.assert_array_equal(policy.state, state)
-    with pytest.raises(kv.InvalidArgument, match=r"argument 'input' = 5 is not 0 \(probs\).*4 \(key norms\)"):
-        _ext.prefill(policy._desc, policy.state, np.array([7, 5, 8, 6], np.int32), 8, 5, None, None, 1.0, 0, 0,
+    # A SnapKV input is a PrefillInput, but not prefill's (it has its own call).
+    with pytest.raises(kv.InvalidArgument, match=r"argument 'input' = window_probs is not probs, sums, queries, none "
+                                                 r"or key_norms"):
+        _ext.prefill(policy._desc, policy.state, np.array([7, 5, 8, 6], np.int32), 8, _ext.PrefillInput.window_probs,
+                     None, None, 1.0, 0, 0,
                      cache.k, cache.v, None, None)  # fmt: skip
     single = kv.SequencePolicy(kv.H2OConfig.key_norm(3, 2), B, H, 8)
     with pytest.raises(kv.InvalidArgument, match=r"argument 'v_cache' is required"):
@@ -373,7 +376,7 @@ def test_torch_compile_traces_the_key_norm_prefill():
 @pytest.mark.skipif(not kv.cuda_available, reason="this kvevict was built without CUDA (no nvcc)")
 def test_cuda_checks_before_a_launch():
     def fake_state(config):
-        desc = _ext.Descriptor(list(kv.config.descriptor_values(config, B, H, H, 8)))
+        desc = _ext.Descriptor(kv.config.policy_spec(config, B, H, H, 8))
         return desc, FakeCudaArray((desc.state_bytes,), "uint8")
 
     lengths = FakeCudaArray((B,), "int32")

@@ -34,6 +34,7 @@ from reference import RefPolicy, attention_logit, fold_group, probability_from_l
 
 DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 LAYOUTS = ["bhsd", "bshd", "paged_nhd", "paged_hnd"]
+WINDOW_INPUTS = (_ext.PrefillInput.window_probs, _ext.PrefillInput.window_logits, _ext.PrefillInput.window_queries)
 B, H, D, PAGE = 3, 2, 8, 4
 
 
@@ -508,14 +509,19 @@ def test_python_argument_errors():
         policy.prefill_snapkv(lengths, cache=cache.view, snap=snap, probs=FakeCudaArray(probs.shape))
     desc, st = policy._desc, policy.state
     args = (np.array(lengths, np.int32), 9)
-    for pooling, message in ((2, r"kvevict::batch::prefill: argument 'in.snap.pooling' = 2 is not a snap_pooling"),
-                             (300, r"kvevict::python::prefill: argument 'in.snap.pooling' = 300 is not a snap_pooling")):
-        with pytest.raises(kv.InvalidArgument, match=message):
-            _ext.prefill_snapkv(desc, st, *args, 0, probs, None, 1.0, 0, 3, pooling, 0, cache.k, cache.v, None, None)
-    with pytest.raises(kv.InvalidArgument, match=r"argument 'input' = 3 is not 0 \(window probs\)"):
-        _ext.prefill_snapkv(desc, st, *args, 3, probs, None, 1.0, 0, 3, 0, 0, cache.k, cache.v, None, None)
+    window_probs, window_logits = _ext.PrefillInput.window_probs, _ext.PrefillInput.window_logits
+    # pooling is a typed _ext.SnapPooling: a value outside it does not reach the call (nor the library's check).
+    for pooling in (2, 300):
+        with pytest.raises(TypeError, match=r"incompatible function arguments"):
+            _ext.prefill_snapkv(desc, st, *args, window_probs, probs, None, 1.0, 0, 3, pooling, 0, cache.k, cache.v,
+                                None, None)  # fmt: skip
+    with pytest.raises(kv.InvalidArgument, match=r"argument 'input' = none is not window_probs, window_logits or "
+                                                 r"window_queries"):
+        _ext.prefill_snapkv(desc, st, *args, _ext.PrefillInput.none, probs, None, 1.0, 0, 3, 0, 0, cache.k, cache.v,
+                            None, None)  # fmt: skip
     with pytest.raises(kv.InvalidArgument, match=r"kvevict::python::prefill: argument 'lse' is required with logits"):
-        _ext.prefill_snapkv(desc, st, *args, 1, probs, None, 1.0, 0, 3, 0, 0, cache.k, cache.v, None, None)
+        _ext.prefill_snapkv(desc, st, *args, window_logits, probs, None, 1.0, 0, 3, 0, 0, cache.k, cache.v, None,
+                            None)  # fmt: skip
     unchanged(policy, state, cache, k, v)
     single = kv.SequencePolicy(kv.H2OConfig(3, 2, sinks=1), B, H, 12)
     with pytest.raises(kv.InvalidArgument, match=r"argument 'probs' has 4 window rows \(dimension 1\), but snap.window = 3"):
@@ -611,7 +617,7 @@ def test_torch_compile_traces_the_snapkv_prefill():
 @pytest.mark.skipif(not kv.cuda_available, reason="this kvevict was built without CUDA (no nvcc)")
 @pytest.mark.parametrize("input", [0, 1, 2])
 def test_cuda_checks_before_a_launch(input):
-    desc = _ext.Descriptor(list(kv.config.descriptor_values(kv.H2OConfig(3, 2, sinks=1), B, H, H, 12)))
+    desc = _ext.Descriptor(kv.config.policy_spec(kv.H2OConfig(3, 2, sinks=1), B, H, H, 12))
     state = FakeCudaArray((desc.state_bytes,), "uint8")
     lengths = FakeCudaArray((B,), "int32")
     k, v = FakeCudaArray((B, H, 12, D), "float16"), FakeCudaArray((B, H, 12, D), "float16")
@@ -620,7 +626,8 @@ def test_cuda_checks_before_a_launch(input):
     lse = None if input == 0 else FakeCudaArray((B, H, 4))
 
     def call(pool_width, *rest, x=x, lse=lse):
-        return _ext.prefill_snapkv(desc, state, lengths, 12, input, x, lse, 1.0, 0, pool_width, 0, 0, k, v, None,
+        return _ext.prefill_snapkv(desc, state, lengths, 12, WINDOW_INPUTS[input], x, lse, 1.0, 0, pool_width, 0, 0,
+                                   k, v, None,
                                    None, None, *rest)  # fmt: skip
 
     with pytest.raises(kv.OutOfRange, match=r"kvevict::cuda::prefill: argument 'in.snap.pool_width' = 4"):

@@ -213,3 +213,41 @@ def test_a_copy_of_the_state_is_the_state_wherever_it_lies():
         ops.append(state, d)
         assert torch.equal(ops.observe_evict(state, d, 0, probs, None, 1.0, 0), expected_victims)
         assert torch.equal(state, reference)
+
+
+# ---- the call table: the ops are generated from it, the direct route too ----------------------
+
+
+def test_ops_come_from_the_call_table():
+    from kvevict import _calls
+
+    assert set(ops.__all__) == {call.name for call in _calls.CALLS}
+    for call in _calls.CALLS:
+        schema = getattr(torch.ops.kvevict, call.name).default._schema
+        assert [a.name for a in schema.arguments] == ["state", "desc"] + [a.name for a in call.args], call.name
+        written = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+        assert written == {"state"} | {a.name for a in call.args if a.mutated}, call.name
+        optional = {a.name for a in schema.arguments if str(a.type).startswith("Optional")}
+        assert optional == {a.name for a in call.args if a.type == "Tensor?"}, call.name
+        assert len(schema.returns) == len(_calls._OUTPUTS[call.out]), call.name
+        # The direct route takes the op's arguments after (state, desc).
+        assert callable(getattr(_calls.direct, call.name))
+        assert ops._kernels[call.name].__name__ == call.name
+
+
+def test_direct_route_and_op_agree():
+    # The same table row, two routes: the eager BatchedPolicy (direct) and the op.
+    eager, by_op = stepped(policy(), 5), stepped(policy(), 5)
+    g = torch.Generator().manual_seed(5)
+    probs = torch.rand(B, HQ, C, generator=g)
+    by_op.append()
+    d = list(by_op.descriptor)
+    eager.append()
+    assert torch.equal(ops.observe_evict(by_op.state, d, kv._ext.DecodeInput.probs, probs, None, 1.0, 0),
+                       eager.observe_evict(probs=probs))
+    same = lambda: all(torch.equal(getattr(by_op, a), getattr(eager, a))  # noqa: E731
+                       for a in ("positions", "counts", "next_slots", "lengths", "scores"))
+    assert same()
+    moves, counts = ops.evict_to_moves(by_op.state, d, 2)
+    m2, c2 = eager.evict_to(2)
+    assert torch.equal(moves, m2) and torch.equal(counts, c2) and same()
