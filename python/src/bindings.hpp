@@ -230,7 +230,8 @@ class Descriptor {
   /// `memory`, which makes it a function of the descriptor alone.
   const batch_state_view& carve(unsigned char* memory) const {
     if (memory != carved_for_) {
-      view_ = rebase(layout_, layout_base, reinterpret_cast<std::uintptr_t>(memory) + state_header_bytes);
+      view_ = kvevict::detail::rebase_state(  // every pointer of the layout shifted by the same amount
+          layout_, static_cast<std::ptrdiff_t>(reinterpret_cast<std::uintptr_t>(memory) + state_header_bytes - layout_base));
       carved_for_ = memory;
     }
     return view_;
@@ -239,41 +240,6 @@ class Descriptor {
  private:
   /// A 256-byte aligned stand-in address for the layout.
   static constexpr std::uintptr_t layout_base = std::uintptr_t{1} << 16;
-
-  /// The view `v` carved at `from`, moved to `to`: every pointer of the
-  /// state shifted by the same amount.
-  static batch_state_view rebase(batch_state_view v, std::uintptr_t from, std::uintptr_t to) {
-    static_assert(sizeof(batch_state_view) == 264 && sizeof(kvevict::history_view) == 56 &&
-                      sizeof(kvevict::device_workspace) == 48 && sizeof(kvevict::key_anchor_view) == 32,
-                  "batch_state_view changed: shift its new pointers in rebase() too");
-    auto shift = [&](auto*& p) {
-      using T = std::remove_reference_t<decltype(*p)>;
-      if (p) p = reinterpret_cast<T*>(reinterpret_cast<std::uintptr_t>(p) - from + to);
-    };
-    shift(v.slots.positions);
-    shift(v.slots.counts);
-    shift(v.slots.next_slots);
-    shift(v.slots.lengths);
-    shift(v.scores);
-    shift(v.score_buffer);
-    shift(v.appended);
-    shift(v.streams);
-    shift(v.victim_scratch);
-    shift(v.history.keys);
-    shift(v.history.values);
-    shift(v.history.rows);
-    shift(v.history.cached);
-    shift(v.history.work);
-    shift(v.anchors.sums);
-    shift(v.anchors.units);
-    shift(v.anchors.upto);
-    shift(v.work.partials);
-    shift(v.work.arrivals);
-    shift(v.work.evict_plans);
-    shift(v.work.evict_counts);
-    shift(v.work.select);
-    return v;
-  }
 
   policy_spec d_;
   std::size_t state_bytes_ = 0;
