@@ -1,8 +1,9 @@
 // exact_greedy on CUDA against the host backend: history in device memory,
 // the leave-one-out errors computed in the host's order, so the scores are
 // the host's bit for bit; every dtype x layout x GQA group {1, 4, 8}, ragged
-// batches, bad query rows. Compiling this file instantiates the exact_greedy
-// kernel for every dtype x layout.
+// batches, bad query rows, device queries with and without an LSE (it is
+// never read). Compiling this file instantiates the exact_greedy kernel for
+// every dtype x layout.
 #include <doctest/doctest.h>
 
 #include <cuda_runtime.h>
@@ -68,8 +69,10 @@ std::int64_t run_stream(std::uint32_t seed, layout_kind layout, std::int32_t gro
       ref.observe_evict(batch_queries<float>{make_tensor_view<const float>(st.q.data(), B, Hq, D),
                                              make_tensor_view<const float>(st.lse.data(), B, Hq), st.scale},
                         view, st.active_set(), want.data());
+      // exact_greedy never reads the LSE: every other step the device call goes without one.
+      const auto dlse = make_tensor_view<const float>(lse.get(), B, Hq);
       dev.observe_evict(batch_queries<float>{make_tensor_view<const float>(q.get(), B, Hq, D),
-                                             make_tensor_view<const float>(lse.get(), B, Hq), st.scale},
+                                             step % 2 ? dlse : decltype(dlse){}, st.scale},
                         dcache.view, dactive, victims.get());
       CHECK(victims.download() == want);
       const std::uint64_t status = ref.status_word();
