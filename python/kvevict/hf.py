@@ -429,10 +429,20 @@ def _eager(module: nn.Module, query, key, value, attention_mask, scaling, dropou
 
 
 def kvevict_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      attention_mask: Optional[torch.Tensor], scaling: float, dropout: float = 0.0, **kwargs: Any):
+                      attention_mask: Optional[torch.Tensor], dropout: float = 0.0, scaling: Optional[float] = None,
+                      **kwargs: Any):
     """Attention over a KVEvictCache layer's slots, feeding its policy.
 
-    Without a kvevict cache (no cache, or another one) it is eager attention."""
+    Without a kvevict cache (no cache, or another one) it is eager attention.
+
+    The signature is transformers' attention interface as its sdpa and
+    flash functions spell it: the models pass ``dropout`` and ``scaling``
+    by keyword, and patches that wrap every registered function (kvpress
+    forwards ``dropout`` as the sixth positional argument, ``scaling`` in
+    its keywords) reach the same parameters. ``scaling`` None is
+    ``1 / sqrt(head_dim)``, as in sdpa."""
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
     layer: Optional[KVEvictLayer] = getattr(key, "_kvevict_layer", None)
     if layer is None:
         out, probs, _, _ = _eager(module, query, key, value, attention_mask, scaling, dropout)

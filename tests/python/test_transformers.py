@@ -166,3 +166,53 @@ def test_other_attention_implementations_are_refused(smollm):
     cache = kvhf.KVEvictCache(kv.H2OConfig(8, 8))
     with pytest.raises(RuntimeError, match="set_attn_implementation\\('kvevict'\\)"):
         generate(model, ids, cache, attn="eager")
+
+
+def _wrap_like_kvpress(func, calls):
+    """What kvpress 0.5.5 does to every registered attention function at
+    import: a wrapper that forwards ``dropout`` as the sixth positional
+    argument and everything else (``scaling`` among it) by keyword."""
+
+    def wrapper(module, query, key, value, attention_mask, dropout, **kwargs):
+        calls.append(func)
+        return func(module, query, key, value, attention_mask, dropout, **kwargs)
+
+    return wrapper
+
+
+def test_another_library_patching_every_attention_function_keeps_the_decisions(smollm):
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    model, tok = smollm
+    ids = prompt_ids(tok, 1)
+    config = twenty_percent(ids)
+    alone = kvhf.KVEvictCache(config)
+    want = generate(model, ids, alone)
+    local = dict(ALL_ATTENTION_FUNCTIONS._local_mapping)
+    calls = []
+    for name, func in list(ALL_ATTENTION_FUNCTIONS.items()):
+        ALL_ATTENTION_FUNCTIONS[name] = _wrap_like_kvpress(func, calls)
+    try:
+        patched = kvhf.KVEvictCache(config)
+        got = generate(model, ids, patched)
+    finally:
+        ALL_ATTENTION_FUNCTIONS._local_mapping.clear()
+        ALL_ATTENTION_FUNCTIONS._local_mapping.update(local)
+    assert calls and all(f is kvhf.kvevict_attention for f in calls)  # the wrapper ran, around kvevict's function
+    assert torch.equal(got, want)
+    for a, b in zip(alone.layers, patched.layers):
+        assert torch.equal(torch.as_tensor(a.policy.positions), torch.as_tensor(b.policy.positions))
+
+
+def test_the_attention_function_takes_transformers_keywords(smollm):
+    """As the models call it (dropout and scaling by keyword), and with
+    scaling left out: 1 / sqrt(head_dim), as sdpa."""
+    model, _ = smollm
+    module = model.model.layers[0].self_attn
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, n, 5, HEAD_DIM, generator=g) for n in (9, 3, 3))
+    by_keyword, _ = kvhf.kvevict_attention(module, q, k, v, None, dropout=0.0, scaling=HEAD_DIM**-0.5)
+    default, _ = kvhf.kvevict_attention(module, q, k, v, None)
+    reference = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1))
+    assert torch.equal(by_keyword, default)
+    torch.testing.assert_close(by_keyword, reference.transpose(1, 2))
