@@ -65,17 +65,29 @@ decltype(auto) with_policy(const policy_spec& d, F&& f) {
                                                    static_cast<int>(d.kind), " is not a policy kind (0..3)");
 }
 
+/// An enum member and its name: one table per enum gives both the names
+/// in the library's messages and the members of its Python enum
+/// (state.cpp, bind_enums), so no name is written twice.
+template <class E>
+struct enum_name {
+  E value;
+  const char* name;
+};
+
+template <class E, std::size_t N>
+const char* name_in(const enum_name<E> (&table)[N], E value) noexcept {
+  for (const enum_name<E>& entry : table)
+    if (entry.value == value) return entry.name;
+  return "?";
+}
+
 /// Element types of K/V, queries and new rows.
 enum class elem : std::int32_t { f32 = 0, f16 = 1, bf16 = 2 };
 
-inline const char* elem_name(elem e) noexcept {
-  switch (e) {
-    case elem::f32: return "float32";
-    case elem::f16: return "float16";
-    case elem::bf16: return "bfloat16";
-  }
-  return "?";
-}
+inline constexpr enum_name<elem> elem_names[] = {
+    {elem::f32, "float32"}, {elem::f16, "float16"}, {elem::bf16, "bfloat16"}};
+
+inline const char* elem_name(elem e) noexcept { return name_in(elem_names, e); }
 
 template <class F>
 decltype(auto) with_elem(elem e, F&& f) {
@@ -162,17 +174,12 @@ enum class decode_input : std::int32_t {
   key_diff = 5,
 };
 
-inline const char* decode_input_name(decode_input kind) noexcept {
-  switch (kind) {
-    case decode_input::probs: return "probs";
-    case decode_input::head_scores: return "head_scores";
-    case decode_input::logits: return "logits";
-    case decode_input::queries: return "queries";
-    case decode_input::key_norms: return "key_norms";
-    case decode_input::key_diff: return "key_diff";
-  }
-  return "?";
-}
+inline constexpr enum_name<decode_input> decode_input_names[] = {
+    {decode_input::probs, "probs"},         {decode_input::head_scores, "head_scores"},
+    {decode_input::logits, "logits"},       {decode_input::queries, "queries"},
+    {decode_input::key_norms, "key_norms"}, {decode_input::key_diff, "key_diff"}};
+
+inline const char* decode_input_name(decode_input kind) noexcept { return name_in(decode_input_names, kind); }
 
 /// The inputs of a batched prefill (key_norms, key_diff: the cached keys
 /// themselves, kvevict/policy/key_diff.hpp for KeyDiff; window_*: SnapKV's
@@ -189,20 +196,18 @@ enum class prefill_input : std::int32_t {
   key_diff = 8,
 };
 
-inline const char* prefill_input_name(prefill_input kind) noexcept {
-  switch (kind) {
-    case prefill_input::probs: return "probs";
-    case prefill_input::sums: return "sums";
-    case prefill_input::queries: return "queries";
-    case prefill_input::none: return "none";
-    case prefill_input::key_norms: return "key_norms";
-    case prefill_input::window_probs: return "window_probs";
-    case prefill_input::window_logits: return "window_logits";
-    case prefill_input::window_queries: return "window_queries";
-    case prefill_input::key_diff: return "key_diff";
-  }
-  return "?";
-}
+inline constexpr enum_name<prefill_input> prefill_input_names[] = {
+    {prefill_input::probs, "probs"},
+    {prefill_input::sums, "sums"},
+    {prefill_input::queries, "queries"},
+    {prefill_input::none, "none"},
+    {prefill_input::key_norms, "key_norms"},
+    {prefill_input::window_probs, "window_probs"},
+    {prefill_input::window_logits, "window_logits"},
+    {prefill_input::window_queries, "window_queries"},
+    {prefill_input::key_diff, "key_diff"}};
+
+inline const char* prefill_input_name(prefill_input kind) noexcept { return name_in(prefill_input_names, kind); }
 
 inline bool is_window(prefill_input kind) noexcept {
   return kind == prefill_input::window_probs || kind == prefill_input::window_logits ||

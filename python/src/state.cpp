@@ -127,6 +127,14 @@ nb::dict state_offsets(const Descriptor& desc, nb::handle memory) {
 
 std::uint64_t clear_status_value() { return kvevict::batch_status_clear; }
 
+/// A Python enum whose members come from the name table that the
+/// library's messages use (common.hpp).
+template <class E, std::size_t N>
+void bind_named_enum(nb::module_& m, const char* name, const char* doc, const enum_name<E> (&table)[N]) {
+  nb::enum_<E> e(m, name, doc, nb::is_arithmetic());
+  for (const enum_name<E>& entry : table) e.value(entry.name, entry.value);
+}
+
 /// The integer codes of the C++ side as Python enums: what the calls take
 /// (a member, or its value where a torch.library op carries an int).
 void bind_enums(nb::module_& m) {
@@ -139,27 +147,9 @@ void bind_enums(nb::module_& m) {
       .value("sum", kvevict::group_reduce::sum)
       .value("mean", kvevict::group_reduce::mean)
       .value("max", kvevict::group_reduce::max);
-  nb::enum_<decode_input>(m, "DecodeInput", "The input of a decode step (observe_evict).", nb::is_arithmetic())
-      .value("probs", decode_input::probs)
-      .value("head_scores", decode_input::head_scores)
-      .value("logits", decode_input::logits)
-      .value("queries", decode_input::queries)
-      .value("key_norms", decode_input::key_norms)
-      .value("key_diff", decode_input::key_diff);
-  nb::enum_<prefill_input>(m, "PrefillInput", "The input of a batched prefill.", nb::is_arithmetic())
-      .value("probs", prefill_input::probs)
-      .value("sums", prefill_input::sums)
-      .value("queries", prefill_input::queries)
-      .value("none", prefill_input::none)
-      .value("key_norms", prefill_input::key_norms)
-      .value("window_probs", prefill_input::window_probs)
-      .value("window_logits", prefill_input::window_logits)
-      .value("window_queries", prefill_input::window_queries)
-      .value("key_diff", prefill_input::key_diff);
-  nb::enum_<elem>(m, "Elem", "Element types of K/V, queries and new rows.", nb::is_arithmetic())
-      .value("float32", elem::f32)
-      .value("float16", elem::f16)
-      .value("bfloat16", elem::bf16);
+  bind_named_enum(m, "DecodeInput", "The input of a decode step (observe_evict).", decode_input_names);
+  bind_named_enum(m, "PrefillInput", "The input of a batched prefill.", prefill_input_names);
+  bind_named_enum(m, "Elem", "Element types of K/V, queries and new rows.", elem_names);
   nb::enum_<cache_layout>(m, "CacheLayout", "K/V layouts (kvevict.CacheView).", nb::is_arithmetic())
       .value("bhsd", cache_layout::bhsd)
       .value("bshd", cache_layout::bshd)
