@@ -261,6 +261,19 @@ def _policy_shape(shape: str) -> str:
     return shape
 
 
+def _call_lines(call: Call, desc: str, state: str, on_cuda: str, torch_mod: str, device: str) -> List[str]:
+    """The extension call of a route, stream in ``s``: on CUDA a call with a
+    workspace first asks its size (workspace None), then passes one."""
+    lines = []
+    if call.workspace:
+        lines.append("    workspace = None")
+        lines.append(f"    if {on_cuda}:")
+        lines.append(f"        n = {_ext_call(call, desc, state, 's', 'None')}")
+        lines.append(f"        workspace = {torch_mod}.empty(max(n, 1), dtype={torch_mod}.uint8, device={device})")
+    lines.append(f"    {_ext_call(call, desc, state, 's', '_a(workspace)')}")
+    return lines
+
+
 def _direct_source(call: Call) -> str:
     """direct.<name>(p, *args, out=None, stream=None) for a BatchedPolicy p."""
     params = _params(call)
@@ -276,12 +289,7 @@ def _direct_source(call: Call) -> str:
     if call.name != "init":
         lines.append(f"    if p._cuda: p._unchecked.add({call.checked or call.name!r})")
     lines.append("    s = p._stream(stream) if p._cuda else 0")
-    if call.workspace:
-        lines.append("    workspace = None")
-        lines.append("    if p._cuda:")
-        lines.append(f"        n = {_ext_call(call, 'p._desc', 'p.state', 's', 'None')}")
-        lines.append("        workspace = p._torch.empty(max(n, 1), dtype=p._torch.uint8, device=p.device)")
-    lines.append(f"    {_ext_call(call, 'p._desc', 'p.state', 's', '_a(workspace)')}")
+    lines += _call_lines(call, "p._desc", "p.state", "p._cuda", "p._torch", "p.device")
     lines.append(f"    return {_returns(call)}")
     return "\n".join(lines) + "\n"
 
@@ -329,12 +337,7 @@ def _kernel_source(call: Call) -> str:
         for name, shape, fill in outs:
             lines.append(f"    {name} = torch.full({shape}, {fill}, dtype=torch.int32, device=state.device)")
     lines.append("    s = _stream(state)")
-    if call.workspace:
-        lines.append("    workspace = None")
-        lines.append("    if state.is_cuda:")
-        lines.append(f"        n = {_ext_call(call, 'd', 'state', 's', 'None')}")
-        lines.append("        workspace = torch.empty(max(n, 1), dtype=torch.uint8, device=state.device)")
-    lines.append(f"    {_ext_call(call, 'd', 'state', 's', '_a(workspace)')}")
+    lines += _call_lines(call, "d", "state", "state.is_cuda", "torch", "state.device")
     lines.append(f"    return {_returns(call)}")
     return "\n".join(lines) + "\n"
 

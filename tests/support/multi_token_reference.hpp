@@ -125,14 +125,10 @@ class multi_token_model {
   /// observe + evict of sequence b with per-head increments inc(h, slot).
   template <class Increment>
   void observe_evict(std::int32_t b, Increment inc) {
+    observe(b, inc);
     last_victims_.assign(std::size_t(heads_), -1);
     for (std::int32_t h = 0; h < heads_; ++h) {
       model_head& m = heads_of_[index(b, h)];
-      for (std::int32_t s = 0; s < cap_; ++s)
-        if (m.pos[std::size_t(s)] >= 0) {
-          const float sum = m.score[std::size_t(s)] + inc(h, s);
-          m.score[std::size_t(s)] = sum;
-        }
       if (m.count > c_.budget) {
         last_victims_[std::size_t(h)] = lowest(b, h, 1).front();
         free_slot(m, last_victims_[std::size_t(h)]);
