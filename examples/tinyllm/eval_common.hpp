@@ -57,6 +57,59 @@ inline std::vector<std::string> split_list(const std::string& s) {
   return out;
 }
 
+/// The next token's negative log-likelihood (in double) and the top-1 token
+/// of a row of logits.
+struct prediction {
+  double nll;
+  std::int32_t top1;
+};
+inline prediction predict(const float* logits, std::int32_t vocab, std::int32_t target) {
+  std::int32_t best = 0;
+  for (std::int32_t i = 1; i < vocab; ++i)
+    if (logits[i] > logits[best]) best = i;
+  double sum = 0.0;
+  for (std::int32_t i = 0; i < vocab; ++i) sum += std::exp(double(logits[i]) - logits[best]);
+  return {std::log(sum) + logits[best] - logits[target], best};
+}
+
+/// A policy's teacher-forced windows against the full cache's.
+struct metrics {
+  double ppl_evicted = 0, ppl_full_evicted = 0, ppl_all = 0, top1_agree = 0;
+  std::int64_t positions_after_eviction = 0;
+};
+
+/// nll, top1 (and the full cache's ref_*): [windows][length], position t
+/// predicting token t + 1 (the last position unused). "After eviction" is
+/// t > budget, where the policy has already dropped a token (every position
+/// for the full cache itself).
+inline metrics window_metrics(const double* nll, const std::int32_t* top1, const double* ref_nll,
+                              const std::int32_t* ref_top1, std::int32_t length, std::int32_t windows,
+                              std::int32_t budget, bool full) {
+  double sum_ev = 0, sum_full_ev = 0, sum_all = 0;
+  std::int64_t n_ev = 0, n_all = 0, agree = 0;
+  for (std::int64_t i = 0; i < std::int64_t{windows} * length; ++i) {
+    const std::int32_t t = static_cast<std::int32_t>(i % length);
+    if (t + 1 == length) continue;
+    sum_all += nll[i];
+    ++n_all;
+    if (t > budget || full) {
+      sum_ev += nll[i];
+      sum_full_ev += ref_nll[i];
+      agree += top1[i] == ref_top1[i];
+      ++n_ev;
+    }
+  }
+  metrics m;
+  m.ppl_all = std::exp(sum_all / double(n_all));
+  m.positions_after_eviction = n_ev;
+  if (n_ev > 0) {
+    m.ppl_evicted = std::exp(sum_ev / double(n_ev));
+    m.ppl_full_evicted = std::exp(sum_full_ev / double(n_ev));
+    m.top1_agree = double(agree) / double(n_ev);
+  }
+  return m;
+}
+
 /// Sinks of recent_window and of the *_protected rules (StreamingLLM's 4).
 constexpr std::int32_t eval_sinks = 4;
 /// The moving-attention decay between TOVA (0) and H2O (1) that `decayed`

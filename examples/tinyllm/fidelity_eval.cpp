@@ -143,19 +143,6 @@ options parse(int argc, char** argv) {
 }
 
 /// -log softmax(logits)[target] and the argmax (lowest id on ties).
-struct prediction {
-  double nll;
-  std::int32_t top1;
-};
-prediction predict(const float* logits, std::int32_t vocab, std::int32_t target) {
-  std::int32_t best = 0;
-  for (std::int32_t i = 1; i < vocab; ++i)
-    if (logits[i] > logits[best]) best = i;
-  double sum = 0.0;
-  for (std::int32_t i = 0; i < vocab; ++i) sum += std::exp(double(logits[i]) - logits[best]);
-  return {std::log(sum) + logits[best] - logits[target], best};
-}
-
 struct variant {
   std::string name;  // policy name as on the command line
   int percent = 100;
@@ -235,11 +222,6 @@ int run_score(const options& o, const llama_config& c, const llama_weights& w, c
   return 0;
 }
 
-struct metrics {
-  double ppl_evicted = 0, ppl_full_evicted = 0, ppl_all = 0, top1_agree = 0;
-  std::int64_t positions_after_eviction = 0;
-};
-
 int run_eval(const options& o, const llama_config& c, const llama_weights& w, const std::vector<std::int32_t>& ids) {
   const std::int32_t length = o.window, windows = o.windows;
   if (std::int64_t{o.offset} + std::int64_t{length} * windows > std::int64_t(ids.size()))
@@ -299,33 +281,12 @@ int run_eval(const options& o, const llama_config& c, const llama_weights& w, co
   }
   const double elapsed = seconds_since(t0);
 
-  // Metrics: positions t predict token t + 1; "after eviction" means the
-  // policy had already dropped a token, t > budget.
   std::vector<metrics> stats(variants.size());
   for (std::size_t g = 0; g < variants.size(); ++g) {
-    const std::int32_t budget = variants[g].spec.kind == policy_kind::full ? length : variants[g].spec.budget;
-    double sum_ev = 0, sum_full_ev = 0, sum_all = 0;
-    std::int64_t n_ev = 0, n_all = 0, agree = 0;
-    for (std::int32_t win = 0; win < windows; ++win) {
-      const std::size_t s = g * std::size_t(windows) + std::size_t(win), ref = std::size_t(win);  // full is group 0
-      for (std::int32_t t = 0; t + 1 < length; ++t) {
-        sum_all += nll[s * length + t];
-        ++n_all;
-        if (t > budget || variants[g].spec.kind == policy_kind::full) {
-          sum_ev += nll[s * length + t];
-          sum_full_ev += nll[ref * length + t];
-          agree += top1[s * length + t] == top1[ref * length + t];
-          ++n_ev;
-        }
-      }
-    }
-    stats[g].ppl_all = std::exp(sum_all / double(n_all));
-    stats[g].positions_after_eviction = n_ev;
-    if (n_ev > 0) {
-      stats[g].ppl_evicted = std::exp(sum_ev / double(n_ev));
-      stats[g].ppl_full_evicted = std::exp(sum_full_ev / double(n_ev));
-      stats[g].top1_agree = double(agree) / double(n_ev);
-    }
+    const bool full = variants[g].spec.kind == policy_kind::full;
+    const std::size_t first = g * std::size_t(windows) * length;  // group g's windows; full is group 0
+    stats[g] = window_metrics(&nll[first], &top1[first], nll.data(), top1.data(), length, windows,
+                              full ? length : variants[g].spec.budget, full);
   }
 
   std::printf("teacher-forced streaming: %d windows x %d tokens from token %d, batch %d, %.0f s (%d threads)\n\n", windows,

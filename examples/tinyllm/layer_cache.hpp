@@ -51,6 +51,42 @@ struct policy_spec {
   std::int32_t horizon = 0;       ///< lookahead: future queries summed (0: every recorded one)
 };
 
+/// The library's configuration of a spec, one function per policy class, so
+/// that another engine embedding the same specs (integrations/llama.cpp)
+/// makes the same decisions. h2o, key_norm and key_diff keep H2O's split (the
+/// newest budget / 2, the rest by score); lookahead has no protection.
+inline kvevict::h2o_config h2o_config_of(const policy_spec& spec) {
+  const std::int32_t recent = spec.budget / 2;
+  switch (spec.kind) {
+    case policy_kind::key_norm:
+    case policy_kind::key_diff:  // both replace the score each step (decay 0)
+      return kvevict::key_norm_config(spec.budget - recent - spec.sinks, recent, spec.sinks);
+    case policy_kind::lookahead:  // the future decides alone
+      return kvevict::tova_config(spec.budget, 0, 0, kvevict::group_reduce::sum);
+    default: {
+      kvevict::h2o_config c;
+      c.heavy = spec.budget - recent - spec.sinks;
+      c.recent = recent;
+      c.sinks = spec.sinks;
+      c.decay = spec.decay;
+      return c;
+    }
+  }
+}
+inline kvevict::recent_window_config recent_window_config_of(const policy_spec& spec) {
+  return {spec.sinks, spec.budget - spec.sinks};
+}
+inline kvevict::random_config random_config_of(const policy_spec& spec) {
+  return {spec.budget, spec.sinks, spec.recent, spec.seed};
+}
+inline kvevict::exact_greedy_config exact_greedy_config_of(const policy_spec& spec) {
+  kvevict::exact_greedy_config c;
+  c.budget = spec.budget;
+  c.recent = spec.recent;
+  c.sinks = spec.sinks;
+  return c;
+}
+
 /// The cache of one layer for a group of sequences that share a policy.
 class layer_cache {
  public:
@@ -123,35 +159,21 @@ class layer_cache {
   }
 
   static policy_variant make_policy(const policy_spec& spec, const kvevict::policy_shape& shape) {
-    const std::int32_t recent = spec.budget / 2;  // H2O's split: half recent, the rest by score
     switch (spec.kind) {
       case policy_kind::full:  // a window that never fills: nothing is ever evicted
       case policy_kind::topk:  // keeps everything; attention picks its keys each step
         return kvevict::recent_window_policy(shape, {0, shape.capacity - 1});
-      case policy_kind::h2o: {
-        kvevict::h2o_config c;
-        c.heavy = spec.budget - recent - spec.sinks;
-        c.recent = recent;
-        c.sinks = spec.sinks;
-        c.decay = spec.decay;
-        return kvevict::h2o_policy(shape, c);
-      }
+      case policy_kind::h2o:
       case policy_kind::key_norm:
-      case policy_kind::key_diff:  // both replace the score each step (decay 0)
-        return kvevict::h2o_policy(shape, kvevict::key_norm_config(spec.budget - recent - spec.sinks, recent, spec.sinks));
-      case policy_kind::lookahead:  // no protection: the future decides alone
-        return kvevict::h2o_policy(shape, kvevict::tova_config(spec.budget, 0, 0, kvevict::group_reduce::sum));
+      case policy_kind::key_diff:
+      case policy_kind::lookahead:
+        return kvevict::h2o_policy(shape, h2o_config_of(spec));
       case policy_kind::recent_window:
-        return kvevict::recent_window_policy(shape, {spec.sinks, spec.budget - spec.sinks});
+        return kvevict::recent_window_policy(shape, recent_window_config_of(spec));
       case policy_kind::random:
-        return kvevict::random_policy(shape, {spec.budget, spec.sinks, spec.recent, spec.seed});
-      case policy_kind::exact_greedy: {
-        kvevict::exact_greedy_config c;
-        c.budget = spec.budget;
-        c.recent = spec.recent;
-        c.sinks = spec.sinks;
-        return kvevict::exact_greedy_policy(shape, c);
-      }
+        return kvevict::random_policy(shape, random_config_of(spec));
+      case policy_kind::exact_greedy:
+        return kvevict::exact_greedy_policy(shape, exact_greedy_config_of(spec));
     }
     throw kvevict::invalid_argument("layer_cache: unknown policy kind");
   }
