@@ -2,6 +2,7 @@
 // What the fidelity programs share: loading the model's tokenizer, reading
 // numbers from the command line, and the policy names of docs/fidelity.md
 // turned into engine specs.
+#include <cctype>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -162,6 +163,64 @@ inline bool prefill_spec(const std::string& name, std::int32_t budget, policy_sp
   else return false;
   out = s;
   return true;
+}
+
+// ---- needle retrieval (kvevict_needle, and the llama.cpp integration's check) ----
+//
+// A haystack of the evaluation's text with one sentence carrying a secret
+// word, said twice in a row, inserted at a chosen depth, then "Question: What
+// is the secret word? Answer: The secret word is"; a trial is correct when
+// the greedy answer contains the word.
+
+// Words absent from Botchan, so a correct answer can only come from the needle.
+inline const char* const needle_words[] = {"pineapple", "telescope", "volcano",  "saxophone", "giraffe",  "lantern",
+                                           "compass",   "dolphin",   "avalanche", "cinnamon", "harmonica", "kangaroo",
+                                           "meteor",    "origami",   "pelican",  "tornado"};
+inline constexpr std::int32_t num_needle_words = sizeof(needle_words) / sizeof(needle_words[0]);
+
+struct trial {
+  double depth;
+  std::int32_t word;
+  std::vector<std::int32_t> prompt;  // haystack with the needle, then the question
+  std::int32_t question = 0;         // tokens of the question at the prompt's end
+};
+
+inline std::vector<std::int32_t> concat(std::vector<std::int32_t> a, const std::vector<std::int32_t>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+/// The prompt of `length` tokens: the text from `start`, the needle after the
+/// sentence end nearest to depth x haystack (searched backwards), the
+/// question. Tokenizer: encode(std::string) -> std::vector<std::int32_t> and
+/// decode(std::vector<std::int32_t>) -> std::string (tinyllm's, or another
+/// engine's own with the same vocabulary, so both ask the same questions).
+template <class Tokenizer>
+trial make_trial(const Tokenizer& tok, const std::vector<std::int32_t>& ids, std::int32_t start, std::int32_t length,
+                 double depth, std::int32_t word) {
+  const std::string w = needle_words[word];
+  const std::vector<std::int32_t> needle =
+      tok.encode(" The secret word is \"" + w + "\". The secret word is \"" + w + "\".");
+  const std::vector<std::int32_t> question = tok.encode("\nQuestion: What is the secret word? Answer: The secret word is");
+  const std::int64_t hay = std::int64_t{length} - std::int64_t(needle.size() + question.size());
+  if (hay < 16) throw std::runtime_error("--lengths " + std::to_string(length) + " leaves no room for a haystack");
+  if (start + hay > std::int64_t(ids.size())) throw std::runtime_error("the text is too short for this trial");
+  std::int32_t at = static_cast<std::int32_t>(depth * double(hay) + 0.5);
+  for (std::int32_t back = at; back > 0 && at - back < 64; --back)  // after a sentence's full stop
+    if (tok.decode({ids[std::size_t(start + back - 1)]}).find('.') != std::string::npos) {
+      at = back;
+      break;
+    }
+  std::vector<std::int32_t> prompt(ids.begin() + start, ids.begin() + start + at);
+  prompt = concat(concat(prompt, needle), std::vector<std::int32_t>(ids.begin() + start + at, ids.begin() + start + hay));
+  trial t{depth, word, concat(prompt, question), static_cast<std::int32_t>(question.size())};
+  return t;
+}
+
+inline bool contains_word(const std::string& answer, const std::string& word) {
+  std::string lower = answer;
+  for (char& c : lower) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return lower.find(word) != std::string::npos;
 }
 
 }  // namespace tinyllm

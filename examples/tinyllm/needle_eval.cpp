@@ -30,12 +30,6 @@ namespace {
 
 using namespace tinyllm;
 
-// Words absent from Botchan, so a correct answer can only come from the needle.
-const char* const words[] = {"pineapple", "telescope", "volcano", "saxophone", "giraffe",  "lantern",
-                             "compass",   "dolphin",   "avalanche", "cinnamon", "harmonica", "kangaroo",
-                             "meteor",    "origami",   "pelican",  "tornado"};
-constexpr std::int32_t num_words = sizeof(words) / sizeof(words[0]);
-
 struct options {
   std::string model, text, json;
   std::vector<std::int32_t> lengths = {256, 512, 1024};
@@ -60,7 +54,7 @@ struct options {
                "  [--prefill h2o,tova,key_norm,key_diff,snapkv,recent_window]  (prompt compression; \"none\")\n"
                "  [--placements in,out] [--generate 8] [--offset 1000] [--stride 4000] [--horizon 0] [--seed 1]\n"
                "threads: OMP_NUM_THREADS\n",
-               why.c_str(), num_words);
+               why.c_str(), num_needle_words);
   std::exit(2);
 }
 
@@ -99,7 +93,7 @@ options parse(int argc, char** argv) {
     } else if (a == "--budgets") {
       o.budgets.clear();
       for (const std::string& x : split_list(v)) o.budgets.push_back(to_int(a, x, 1, 99));
-    } else if (a == "--words") o.words = to_int(a, v, 1, num_words);
+    } else if (a == "--words") o.words = to_int(a, v, 1, num_needle_words);
     else if (a == "--generate") o.generate = to_int(a, v, 1, 64);
     else if (a == "--offset") o.offset = to_int(a, v, 0, 1 << 30);
     else if (a == "--stride") o.stride = to_int(a, v, 0, 1 << 30);
@@ -121,52 +115,11 @@ options parse(int argc, char** argv) {
   return o;
 }
 
-struct trial {
-  double depth;
-  std::int32_t word;
-  std::vector<std::int32_t> prompt;  // haystack with the needle, then the question
-  std::int32_t question = 0;         // tokens of the question at the prompt's end
-};
-
 struct variant {
   std::string setting, policy;  // setting: "decode", "prefill_in", "prefill_out" ("full" for the reference)
   int percent = 100;
   policy_spec spec;
 };
-
-std::vector<std::int32_t> concat(std::vector<std::int32_t> a, const std::vector<std::int32_t>& b) {
-  a.insert(a.end(), b.begin(), b.end());
-  return a;
-}
-
-// The prompt of `length` tokens: the text from `start`, the needle after the
-// sentence end nearest to depth x haystack (searched backwards), the question.
-trial make_trial(const bpe_tokenizer& tok, const std::vector<std::int32_t>& ids, std::int32_t start, std::int32_t length,
-                 double depth, std::int32_t word) {
-  const std::string w = words[word];
-  const std::vector<std::int32_t> needle =
-      tok.encode(" The secret word is \"" + w + "\". The secret word is \"" + w + "\".");
-  const std::vector<std::int32_t> question = tok.encode("\nQuestion: What is the secret word? Answer: The secret word is");
-  const std::int64_t hay = std::int64_t{length} - std::int64_t(needle.size() + question.size());
-  if (hay < 16) throw std::runtime_error("--lengths " + std::to_string(length) + " leaves no room for a haystack");
-  if (start + hay > std::int64_t(ids.size())) throw std::runtime_error("the text is too short for this trial");
-  std::int32_t at = static_cast<std::int32_t>(depth * double(hay) + 0.5);
-  for (std::int32_t back = at; back > 0 && at - back < 64; --back)  // after a sentence's full stop
-    if (tok.decode({ids[std::size_t(start + back - 1)]}).find('.') != std::string::npos) {
-      at = back;
-      break;
-    }
-  std::vector<std::int32_t> prompt(ids.begin() + start, ids.begin() + start + at);
-  prompt = concat(concat(prompt, needle), std::vector<std::int32_t>(ids.begin() + start + at, ids.begin() + start + hay));
-  trial t{depth, word, concat(prompt, question), static_cast<std::int32_t>(question.size())};
-  return t;
-}
-
-bool contains_word(const std::string& answer, const std::string& word) {
-  std::string lower = answer;
-  for (char& c : lower) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  return lower.find(word) != std::string::npos;
-}
 
 /// Runs `groups` (one sequence per trial each) to the end of the prompts and
 /// `generate` greedy tokens; returns each sequence's answer tokens.
@@ -256,9 +209,9 @@ int run(const options& o, const llama_config& c, const llama_weights& w, const b
       std::string cells;
       for (std::int32_t i = 0; i < n; ++i) {
         const std::string answer = tok.decode(answers[g * std::size_t(n) + std::size_t(i)]);
-        const bool ok = contains_word(answer, words[trials[std::size_t(i)].word]);
+        const bool ok = contains_word(answer, needle_words[trials[std::size_t(i)].word]);
         correct += ok;
-        if (g == 0 && !ok) std::fprintf(stderr, "  full cache missed %s at depth %.2f: \"%s\"\n", words[trials[std::size_t(i)].word],
+        if (g == 0 && !ok) std::fprintf(stderr, "  full cache missed %s at depth %.2f: \"%s\"\n", needle_words[trials[std::size_t(i)].word],
                                         trials[std::size_t(i)].depth, answer.c_str());
         cells += std::string(cells.empty() ? "" : ", ") + "[" + std::to_string(trials[std::size_t(i)].depth) + ", " + (ok ? "1" : "0") + "]";
       }
