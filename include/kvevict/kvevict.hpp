@@ -2,6 +2,7 @@
 // Everything kvevict offers on the host. Include single headers instead to
 // keep compile times down; each one compiles on its own.
 #include "kvevict/batch/batched_policy.hpp"
+#include "kvevict/batch/copy_state.hpp"
 #include "kvevict/batch/host_backend.hpp"
 #include "kvevict/batch/inputs.hpp"
 #include "kvevict/batch/evict_to.hpp"
