@@ -18,6 +18,11 @@ bash scripts/run-python-tests.sh  # the Python package (skipped when KVEVICT_SAN
 # The fidelity evaluation's smoke test on SmolLM2 (docs/fidelity.md): the
 # model from the PyPI package the Python phase installed; not under sanitizers.
 [ "$sanitize" = ON ] || BUILD_DIR="$build" bash scripts/fidelity/smoke.sh
+# kvevict inside llama.cpp (docs/llama-cpp.md): llama.cpp from its PyPI source
+# package, patched and built (library and one program), cross-checked with
+# tinyllm (a 192-token window, against a recorded run too; two needle trials
+# with prompt compression); not under sanitizers.
+[ "$sanitize" = ON ] || BUILD_DIR="$build" bash scripts/run-llamacpp.sh smoke
 # Then each libFuzzer harness for a bounded time (docs/reliability.md,
 # "Fuzzing"). Not in the KVEVICT_SANITIZE=ON rerun: the fuzz build carries
 # its own sanitizers, and one bounded run per CI pass is the budget.
