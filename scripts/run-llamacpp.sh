@@ -49,11 +49,16 @@ tinyllm_reference() {  # window, policies, budget, json: tinyllm's evaluation of
 }
 
 f32_model() {  # llama.cpp's side of the cross-check reads an F32 copy of the weights
-  local f32="$cache/SmolLM2-135M-Instruct.F32.gguf" venv="$cache/venv-gguf"
+  local f32="$cache/SmolLM2-135M-Instruct.F32.gguf" venv="$cache/venv-gguf" py
   if [ ! -f "$f32" ]; then
-    "$venv/bin/python" -c "import gguf, numpy" 2>/dev/null || {
-      "$python" -m venv "$venv" && "$venv/bin/pip" install --quiet numpy==2.4.6 gguf==0.19.0; }
-    "$venv/bin/python" scripts/fidelity/dequantize_gguf.py "$model" "$f32.tmp" >/dev/null
+    # the gguf package: the Python phase's environment has it; else a small one of its own
+    py=$python
+    if ! "$py" -c "import gguf, numpy" 2>/dev/null; then
+      py=$venv/bin/python
+      "$py" -c "import gguf, numpy" 2>/dev/null || {
+        "$python" -m venv "$venv" && "$venv/bin/pip" install --quiet numpy==2.4.6 gguf==0.19.0; }
+    fi
+    "$py" scripts/fidelity/dequantize_gguf.py "$model" "$f32.tmp" >/dev/null
     mv "$f32.tmp" "$f32"  # written aside, so an interrupted run leaves no truncated file
   fi
   echo "$f32"
