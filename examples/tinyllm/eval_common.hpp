@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <fstream>
 #include <iterator>
 #include <sstream>
@@ -56,6 +57,33 @@ inline std::vector<std::string> split_list(const std::string& s) {
   for (std::string item; std::getline(in, item, ',');)
     if (!item.empty()) out.push_back(item);
   return out;
+}
+
+/// A comma list of names; "none" is the empty list.
+inline std::vector<std::string> names(const std::string& v) {
+  return v == "none" ? std::vector<std::string>{} : split_list(v);
+}
+
+/// The command lines' numbers: v as a whole integer in [lo, hi], or a
+/// fraction in [0, 1]; false (out untouched) for anything else, so each
+/// program words its own usage message.
+inline bool parse_int(const std::string& v, long lo, long hi, std::int32_t& out) {
+  try {
+    std::size_t used = 0;
+    const long x = std::stol(v, &used);
+    if (used != v.size() || x < lo || x > hi) return false;
+    out = static_cast<std::int32_t>(x);
+    return true;
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+inline bool parse_fraction(const std::string& v, double& out) {
+  char* end = nullptr;
+  const double d = std::strtod(v.c_str(), &end);
+  if (v.empty() || *end || !(d >= 0.0 && d <= 1.0)) return false;
+  out = d;
+  return true;
 }
 
 /// The next token's negative log-likelihood (in double) and the top-1 token

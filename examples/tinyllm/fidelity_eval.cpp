@@ -72,12 +72,8 @@ bool known_policy(const std::string& p) {
 }
 
 std::int32_t to_int(const std::string& flag, const std::string& v) {
-  try {
-    std::size_t used = 0;
-    const long x = std::stol(v, &used);
-    if (used == v.size() && x >= 0 && x <= 1 << 30) return static_cast<std::int32_t>(x);
-  } catch (const std::exception&) {
-  }
+  std::int32_t x = 0;
+  if (parse_int(v, 0, 1 << 30, x)) return x;
   usage(flag + " expects a non-negative integer, got \"" + v + "\"");
 }
 

@@ -59,16 +59,10 @@ struct options {
 }
 
 std::int32_t to_int(const std::string& flag, const std::string& v, long lo, long hi) {
-  try {
-    std::size_t used = 0;
-    const long x = std::stol(v, &used);
-    if (used == v.size() && x >= lo && x <= hi) return static_cast<std::int32_t>(x);
-  } catch (const std::exception&) {
-  }
+  std::int32_t x = 0;
+  if (parse_int(v, lo, hi, x)) return x;
   usage(flag + " expects an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) + "], got \"" + v + "\"");
 }
-
-std::vector<std::string> names(const std::string& v) { return v == "none" ? std::vector<std::string>{} : split_list(v); }
 
 options parse(int argc, char** argv) {
   options o;
@@ -85,9 +79,8 @@ options parse(int argc, char** argv) {
     } else if (a == "--depths") {
       o.depths.clear();
       for (const std::string& x : split_list(v)) {
-        char* end = nullptr;
-        const double d = std::strtod(x.c_str(), &end);
-        if (*end || !(d >= 0.0 && d <= 1.0)) usage("--depths are fractions in [0, 1], got " + x);
+        double d = 0.0;
+        if (!parse_fraction(x, d)) usage("--depths are fractions in [0, 1], got " + x);
         o.depths.push_back(d);
       }
     } else if (a == "--budgets") {

@@ -52,12 +52,8 @@ struct options {
 }
 
 std::int32_t to_int(const std::string& flag, const std::string& v) {
-  try {
-    std::size_t used = 0;
-    const long x = std::stol(v, &used);
-    if (used == v.size() && x >= 0 && x <= 0x7FFFFFFF) return static_cast<std::int32_t>(x);
-  } catch (const std::exception&) {
-  }
+  std::int32_t x = 0;
+  if (tinyllm::parse_int(v, 0, 0x7FFFFFFF, x)) return x;
   usage(flag + " takes a non-negative integer, got \"" + v + "\"");
 }
 
@@ -76,8 +72,8 @@ options parse(int argc, char** argv) {
     else if (a == "--prompt-file") o.prompt = tinyllm::read_file(v);
     else if (a == "--text") o.text = v;
     else if (a == "--json") o.json = v;
-    else if (a == "--policies") o.policies = v == "none" ? std::vector<std::string>{} : tinyllm::split_list(v);
-    else if (a == "--prefill") o.prefill = v == "none" ? std::vector<std::string>{} : tinyllm::split_list(v);
+    else if (a == "--policies") o.policies = tinyllm::names(v);
+    else if (a == "--prefill") o.prefill = tinyllm::names(v);
     else if (a == "--placements") o.placements = tinyllm::split_list(v);
     else if (a == "--budgets") {
       o.budgets.clear();
@@ -96,7 +92,11 @@ options parse(int argc, char** argv) {
       for (const std::string& x : tinyllm::split_list(v)) o.lengths.push_back(to_int(a, x));
     } else if (a == "--depths") {
       o.depths.clear();
-      for (const std::string& x : tinyllm::split_list(v)) o.depths.push_back(std::atof(x.c_str()));
+      for (const std::string& x : tinyllm::split_list(v)) {
+        double d = 0.0;
+        if (!tinyllm::parse_fraction(x, d)) usage("--depths are fractions in [0, 1], got " + x);
+        o.depths.push_back(d);
+      }
     }
     else if (a == "--kv-type") {
       if (v == "f16") o.kv_type = GGML_TYPE_F16;
@@ -110,8 +110,6 @@ options parse(int argc, char** argv) {
   if (o.mode != "generate" && o.text.empty()) usage(o.mode + " needs --text");
   if (o.words < 1 || o.words > tinyllm::num_needle_words || o.generate < 1)
     usage("--words in [1, " + std::to_string(tinyllm::num_needle_words) + "] and --generate >= 1");
-  for (double d : o.depths)
-    if (!(d >= 0.0 && d <= 1.0)) usage("--depths are in [0, 1]");
   for (const std::string& p : o.placements)
     if (p != "in" && p != "out") usage("--placements are in and out, got " + p);
   if (o.mode == "perplexity" && !o.prefill.empty()) usage("perplexity streams every token: no --prefill");
