@@ -280,13 +280,12 @@ class head_cells_cache {
   // the ones we asked for once computed. Each layer's softmax output is
   // [n_kv cells][n_tokens][query heads]; cells past n_kv are free.
   static bool on_tensor(ggml_tensor* t, bool ask, void* user) {
-    static constexpr char prefix[] = "kq_soft_max-";
-    if (std::strncmp(t->name, prefix, sizeof(prefix) - 1) != 0) return ask ? false : true;
+    const std::int32_t il = softmax_layer(t);
+    if (il < 0) return !ask;
     if (ask) return true;
     auto* self = static_cast<head_cells_cache*>(user);
     const timer clock(self->seconds_);
-    const std::int32_t il = std::atoi(t->name + sizeof(prefix) - 1);
-    if (il < 0 || il >= self->layers_ || t->type != GGML_TYPE_F32 || t->ne[1] != 1 || t->ne[2] != self->q_heads_ ||
+    if (il >= self->layers_ || t->type != GGML_TYPE_F32 || t->ne[1] != 1 || t->ne[2] != self->q_heads_ ||
         t->ne[0] > self->capacity())
       return false;  // stops the decode; after_decode reports the layer
     const std::int32_t cap = self->capacity();

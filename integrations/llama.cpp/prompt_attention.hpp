@@ -17,6 +17,14 @@
 
 namespace kvevict_llama {
 
+/// The layer of a tensor llama.cpp names "kq_soft_max-<layer>" (its non-flash
+/// attention's softmax output), or -1 for any other tensor.
+inline std::int32_t softmax_layer(const ggml_tensor* t) {
+  static constexpr char prefix[] = "kq_soft_max-";
+  if (std::strncmp(t->name, prefix, sizeof(prefix) - 1) != 0) return -1;
+  return std::atoi(t->name + sizeof(prefix) - 1);
+}
+
 class prompt_attention {
  public:
   enum class fold { column_sums, window_rows };
@@ -31,12 +39,11 @@ class prompt_attention {
   /// cb_eval: asks for every layer's softmax, folds what it gets. Returns
   /// false (which stops the pass) for a tensor it cannot read.
   static bool on_tensor(ggml_tensor* t, bool ask, void* user) {
-    static constexpr char prefix[] = "kq_soft_max-";
-    if (std::strncmp(t->name, prefix, sizeof(prefix) - 1) != 0) return !ask;
+    const std::int32_t il = softmax_layer(t);
+    if (il < 0) return !ask;
     if (ask) return true;
     auto* self = static_cast<prompt_attention*>(user);
-    const std::int32_t il = std::atoi(t->name + sizeof(prefix) - 1);
-    if (il < 0 || il >= self->layers_ || t->type != GGML_TYPE_F32 || t->ne[2] != self->q_heads_) return false;
+    if (il >= self->layers_ || t->type != GGML_TYPE_F32 || t->ne[2] != self->q_heads_) return false;
     self->fold_ubatch(il, t);
     return true;
   }
@@ -60,7 +67,7 @@ class prompt_attention {
         const auto* p = reinterpret_cast<const float*>(static_cast<const char*>(t->data) + r * t->nb[1] + q * t->nb[2]);
         if (what_ == fold::column_sums) {
           float* c = data_.data() + (std::size_t(il) * q_heads_ + q) * length_;
-          for (std::int32_t s = 0; s <= row && s < columns; ++s) c[s] = decay_ == 1.0f ? c[s] + p[s] : decay_ * c[s] + p[s];
+          for (std::int32_t s = 0; s <= row && s < columns; ++s) c[s] = decay_ * c[s] + p[s];  // decay 1: exactly c + p
         } else if (row >= length_ - window_) {
           float* w = data_.data() + ((std::size_t(il) * q_heads_ + q) * window_ + (row - (length_ - window_))) * length_;
           std::copy_n(p, std::min(row + 1, columns), w);
