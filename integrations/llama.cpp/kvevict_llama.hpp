@@ -24,10 +24,9 @@
 // token-by-token cycle with prefill(): llama.cpp's batched prompt pass in a
 // context of the prompt's length, kvevict's batched prefill per layer, and
 // the kept rows and the state moved into the budget + 1 cells.
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -242,8 +241,6 @@ class head_cells_cache {
   /// Seconds spent in this adapter's calls (append, reading the
   /// probabilities, observe + evict), for the cost per token and layer.
   double seconds() const noexcept { return seconds_; }
-  std::int32_t layers() const noexcept { return layers_; }
-  std::int32_t kv_heads() const noexcept { return heads_; }
   /// The position of the token in (layer, head, cell), -1 for a free cell.
   std::int32_t position(std::int32_t il, std::int32_t h, std::int32_t cell) const {
     return std::visit([&](const auto& policy) { return policy.state().slots.positions_of(0, h)[cell]; },
