@@ -201,6 +201,10 @@ TEST_CASE("copy_state: bad moves are refused by name and leave dst unchanged") {
   auto fresh = make<h2o_policy>(large_shape, rule_kind::h2o);
   CHECK_THROWS_WITH_AS(copy_state(fresh.state(), different.state()), doctest::Contains("argument 'dst.rule'"),
                        invalid_argument);
+  auto other_shard = make<random_policy>({B, H, Hq, budget + 1, H}, rule_kind::random);  // another tensor-parallel shard
+  auto first_shard = make<random_policy>(large_shape, rule_kind::random);
+  CHECK_THROWS_WITH_AS(copy_state(first_shard.state(), other_shard.state()), doctest::Contains("argument 'dst.rule'"),
+                       invalid_argument);
   auto fewer_heads = make<h2o_policy>({B, 1, Hq, budget + 1}, rule_kind::h2o);
   CHECK_THROWS_WITH_AS(copy_state(fresh.state(), fewer_heads.state()), doctest::Contains("argument 'num_heads' = 1"),
                        invalid_argument);

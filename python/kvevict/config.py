@@ -209,6 +209,7 @@ def policy_spec(
     capacity: int,
     max_tokens: int = 0,
     head_dim: int = 0,
+    first_kv_head: int = 0,
 ) -> "_ext.PolicySpec":
     """The typed spec of a batched policy (:class:`kvevict._ext.PolicySpec`):
     the config's fields by name with the state's shape. Its ``encode()`` is
@@ -219,4 +220,4 @@ def policy_spec(
             "RecentWindowConfig, RandomConfig or ExactGreedyConfig"
         )
     return _ext.PolicySpec(config.kind, num_seqs, num_kv_heads, num_q_heads, capacity, max_tokens=max_tokens,
-                           head_dim=head_dim, **config._spec_fields())
+                           head_dim=head_dim, first_kv_head=first_kv_head, **config._spec_fields())

@@ -68,6 +68,10 @@ class BatchedPolicy:
             and the head dimension (its history of K/V rows). h2o: head_dim
             alone sizes KeyDiff's running anchors, which
             :meth:`observe_evict_key_diff` needs.
+        first_kv_head: tensor parallelism: the layer-wide index of this
+            shard's first KV head (its query heads are that head's group
+            onward). Random keys its draws by the layer-wide head, so the
+            shards of a layer decide as the unsharded layer does.
         device: ``None`` keeps the state in a NumPy array (no torch needed);
             otherwise a torch device (``"cpu"``, ``"cuda"``, ``"cuda:1"``, a
             ``torch.device``) for a torch state tensor there. Inputs must be on
@@ -84,6 +88,7 @@ class BatchedPolicy:
         num_q_heads: Optional[int] = None,
         max_tokens: Optional[int] = None,
         head_dim: Optional[int] = None,
+        first_kv_head: int = 0,
         device: Any = None,
     ) -> None:
         if num_q_heads is None:
@@ -102,7 +107,7 @@ class BatchedPolicy:
         self.num_q_heads = num_q_heads
         self.capacity = capacity
         self.spec: _ext.PolicySpec = policy_spec(
-            config, num_seqs, num_kv_heads, num_q_heads, capacity, max_tokens or 0, head_dim or 0
+            config, num_seqs, num_kv_heads, num_q_heads, capacity, max_tokens or 0, head_dim or 0, first_kv_head
         )
         """The typed spec: kind, shape and config fields by name."""
         self.descriptor: Tuple[int, ...] = tuple(self.spec.encode())

@@ -55,6 +55,7 @@ inline const spec_field spec_fields[] = {
     KVEVICT_PY_SPEC_I32(num_kv_heads, shape.num_kv_heads),
     KVEVICT_PY_SPEC_I32(num_q_heads, shape.num_q_heads),
     KVEVICT_PY_SPEC_I32(capacity, shape.capacity),
+    KVEVICT_PY_SPEC_I32(first_kv_head, shape.first_kv_head),
     KVEVICT_PY_SPEC_I32(heavy, heavy),
     KVEVICT_PY_SPEC_I32(recent, recent),
     {"reduce", 0, 2, [](const policy_spec& s) -> std::int64_t { return static_cast<std::int64_t>(s.reduce); },

@@ -174,7 +174,8 @@ void bind_policy_spec(nb::module_& m) {
            [set](S* self, policy_kind kind, std::int64_t num_seqs, std::int64_t num_kv_heads,
                  std::int64_t num_q_heads, std::int64_t capacity, std::int64_t heavy, std::int64_t recent,
                  kvevict::group_reduce reduce, float decay, std::int64_t sinks, std::int64_t window,
-                 std::int64_t budget, std::uint64_t seed, std::int64_t max_tokens, std::int64_t head_dim) {
+                 std::int64_t budget, std::uint64_t seed, std::int64_t max_tokens, std::int64_t head_dim,
+                 std::int64_t first_kv_head) {
              S s;
              s.kind = kind;
              set(s, "num_seqs", num_seqs);
@@ -191,16 +192,18 @@ void bind_policy_spec(nb::module_& m) {
              s.seed = seed;
              set(s, "max_tokens", max_tokens);
              set(s, "head_dim", head_dim);
+             set(s, "first_kv_head", first_kv_head);
              new (self) S(s);
            },
            "kind"_a, "num_seqs"_a, "num_kv_heads"_a, "num_q_heads"_a, "capacity"_a, nb::kw_only(), "heavy"_a = 0,
            "recent"_a = 0, "reduce"_a = kvevict::group_reduce::sum, "decay"_a = 1.0f, "sinks"_a = 0, "window"_a = 0,
-           "budget"_a = 0, "seed"_a = 0, "max_tokens"_a = 0, "head_dim"_a = 0)
+           "budget"_a = 0, "seed"_a = 0, "max_tokens"_a = 0, "head_dim"_a = 0, "first_kv_head"_a = 0)
       .def_prop_ro("kind", [](const S& s) { return s.kind; })
       .def_prop_ro("num_seqs", [](const S& s) { return s.shape.num_seqs; })
       .def_prop_ro("num_kv_heads", [](const S& s) { return s.shape.num_kv_heads; })
       .def_prop_ro("num_q_heads", [](const S& s) { return s.shape.num_q_heads; })
       .def_prop_ro("capacity", [](const S& s) { return s.shape.capacity; })
+      .def_prop_ro("first_kv_head", [](const S& s) { return s.shape.first_kv_head; })
       .def_prop_ro("heavy", [](const S& s) { return s.heavy; })
       .def_prop_ro("recent", [](const S& s) { return s.recent; })
       .def_prop_ro("reduce", [](const S& s) { return s.reduce; })

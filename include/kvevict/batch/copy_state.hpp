@@ -31,8 +31,8 @@ inline void require_same_policy(const site& w, const batch_state_view& src, cons
   same("num_q_heads", src.num_q_heads, dst.num_q_heads);
   const decode_rule &a = src.rule, &b = dst.rule;
   if (a.victim != b.victim || a.budget != b.budget || a.reduce != b.reduce || a.decay != b.decay || a.seed != b.seed ||
-      a.protect.sinks != b.protect.sinks || a.protect.recent != b.protect.recent)
-    fail<invalid_argument>(w, "dst.rule", "differs from src's (policy, budget, protection, reduce, decay or seed)");
+      a.first_head != b.first_head || a.protect.sinks != b.protect.sinks || a.protect.recent != b.protect.recent)
+    fail<invalid_argument>(w, "dst.rule", "differs from src's (policy, budget, protection, reduce, decay, seed or first KV head)");
   same("history.max_tokens", src.history.max_tokens, dst.history.max_tokens);
   same("history.head_dim", src.history.head_dim, dst.history.head_dim);
   same("anchors.head_dim", src.anchors.head_dim, dst.anchors.head_dim);

@@ -221,6 +221,7 @@ void host_prefill(const batch_state_view& st, const active_set& active, const pr
   keys.heads = heads;
   keys.rule = st.rule.victim;
   keys.seed = st.rule.seed;
+  keys.first_head = st.rule.first_head;
   keys.scores = scores.data();
   keys.score_stride = m;
   std::vector<unsigned char> select_workspace(select_workspace_bytes(keys));

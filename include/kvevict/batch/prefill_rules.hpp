@@ -94,6 +94,7 @@ struct prefill_keys {
   const std::int32_t* lengths = nullptr;   ///< [num_segments]: candidates of each segment
   std::int32_t first = 0;                  ///< position of candidate 0 (the rule's sinks)
   std::int32_t heads = 1;
+  std::int32_t first_head = 0;             ///< random_priority: the layer-wide index of head 0
   victim_rule rule = victim_rule::lowest_score;
   std::uint64_t seed = 0;
   const float* scores = nullptr;           ///< lowest_score: segment i's score of position p at scores[i * score_stride + p]
@@ -107,7 +108,7 @@ struct prefill_keys {
     const std::int32_t p = first + j;
     std::uint64_t k = 0;
     if (rule == victim_rule::random_priority) {
-      const std::uint32_t draw = random_draw(seed, random_use::prefill_priority, streams[i / heads], i % heads, p);
+      const std::uint32_t draw = random_draw(seed, random_use::prefill_priority, streams[i / heads], first_head + i % heads, p);
       k = (static_cast<std::uint64_t>(draw) << 32) | static_cast<std::uint32_t>(p);
     } else {
       k = rule == victim_rule::oldest ? std::uint64_t(std::uint32_t(p)) : eviction_key(scores[i * score_stride + p], p);

@@ -244,6 +244,7 @@ inline batch_state_view carve_state(void* memory, const policy_shape& shape, con
   dw.select_bytes = evict_select_bytes(w, heads, shape.capacity);
   dw.select = c.take<unsigned char>(static_cast<std::int64_t>(dw.select_bytes));
   v.rule = rule;
+  v.rule.first_head = shape.first_kv_head;  // a shard's place in its layer, for random's draws
   v.num_q_heads = shape.num_q_heads;
   if (bytes) *bytes = c.bytes();
   return v;
@@ -261,7 +262,7 @@ batch_state_view carve_state(void* memory, const policy_shape& shape, const deco
 /// base's alignment only, so a copy from aligned base to aligned base keeps
 /// them). Null pointers stay null.
 inline batch_state_view rebase_state(batch_state_view v, std::ptrdiff_t delta) noexcept {
-  static_assert(sizeof(batch_state_view) == 264 && sizeof(history_view) == 56 && sizeof(device_workspace) == 48 &&
+  static_assert(sizeof(batch_state_view) == 272 && sizeof(history_view) == 56 && sizeof(device_workspace) == 48 &&
                     sizeof(key_anchor_view) == 32,
                 "batch_state_view changed: shift its new pointers here too");
   const auto shift = [delta](auto*& p) {

@@ -79,6 +79,7 @@ inline kvevict::detail::prefill_keys selection_keys(const batch_state_view& st, 
   keys.heads = st.num_heads();
   keys.rule = st.rule.victim;
   keys.seed = st.rule.seed;
+  keys.first_head = st.rule.first_head;
   keys.scores = ws.scores;
   keys.score_stride = ws.max_length;
   keys.streams = ws.streams;

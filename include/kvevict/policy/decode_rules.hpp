@@ -69,6 +69,11 @@ struct decode_rule {
   group_reduce reduce = group_reduce::sum;
   float decay = 1.0f;       ///< gamma of updated_score: 1 accumulates (H2O), 0 keeps the newest increment (TOVA)
   std::uint64_t seed = 0;   ///< random_priority only
+  std::int32_t first_head = 0;  ///< the layer-wide index of KV head 0 (policy_shape::first_kv_head)
+
+  /// The layer-wide index of KV head `head`: random's draws are keyed by it,
+  /// so a tensor-parallel shard draws what the unsharded layer draws.
+  KVEVICT_HOST_DEVICE std::int32_t draw_head(std::int32_t head) const noexcept { return first_head + head; }
 
   /// The victim key of the step whose newest position is length - 1, for
   /// KV head `head` of a sequence with request stream `stream` (random's
@@ -76,7 +81,7 @@ struct decode_rule {
   KVEVICT_HOST_DEVICE victim_order order(std::uint64_t stream, std::int32_t head, std::int32_t length) const noexcept {
     victim_order o;
     o.victim = victim;
-    if (victim == victim_rule::random_priority) o.step = random_step_key(seed, stream, head, length - 1);
+    if (victim == victim_rule::random_priority) o.step = random_step_key(seed, stream, draw_head(head), length - 1);
     return o;
   }
 };

@@ -17,6 +17,12 @@ struct policy_shape {
   std::int32_t num_kv_heads = 1;
   std::int32_t num_q_heads = 1;  ///< a multiple of num_kv_heads (GQA group size)
   std::int32_t capacity = 0;
+  /// Tensor parallelism: the layer-wide index of this shard's KV head 0.
+  /// A shard of a layer's KV heads (each with its whole query group) is an
+  /// independent policy; only random's draws depend on the head, and they
+  /// are keyed by the layer-wide index, so shards make the decisions of the
+  /// unsharded layer (docs/integration.md, "Tensor parallelism").
+  std::int32_t first_kv_head = 0;
 
   std::int32_t group_size() const noexcept { return num_q_heads / num_kv_heads; }
 };
@@ -74,6 +80,9 @@ void validate_shape(const Where& where, const policy_shape& s, std::int32_t budg
   require_positive(where, "shape.num_seqs", s.num_seqs);
   require_positive(where, "shape.num_kv_heads", s.num_kv_heads);
   require_positive(where, "shape.num_q_heads", s.num_q_heads);
+  if (s.first_kv_head < 0 || std::int64_t{s.first_kv_head} + s.num_kv_heads > std::int64_t{INT32_MAX})
+    fail<out_of_range>(where, "shape.first_kv_head", "= ", s.first_kv_head,
+                       " is negative or puts the shard's last head beyond 2^31 - 1");
   if (s.num_q_heads % s.num_kv_heads != 0)
     fail<invalid_argument>(where, "shape.num_q_heads", "= ", s.num_q_heads,
                            " is not a multiple of shape.num_kv_heads = ", s.num_kv_heads);
