@@ -24,7 +24,7 @@
 
 #include "kvevict/kvevict.hpp"
 #include "support/batch_streams.hpp"
-#include "support/h2o_draws.hpp"
+#include "support/decode_inputs.hpp"
 
 namespace {
 
@@ -33,7 +33,7 @@ using namespace kvevict;
 constexpr std::int32_t B = 3, H = 8, group = 2, Hq = H * group, D = 8;
 constexpr std::int32_t shard_counts[] = {1, 2, 4, 8};
 
-enum class decode_input { probs, head_scores, logits, queries, key_norms, key_diff };
+using kvtest::decode_input;
 
 template <class View>
 View shard_of(View view, std::int32_t first, std::int32_t heads) {
@@ -43,14 +43,6 @@ View shard_of(View view, std::int32_t first, std::int32_t heads) {
   view.v += first * view.layout.stride_head;
   view.num_heads = heads;
   return view;
-}
-
-/// Heads [first, first + count) of a [B][heads][...] tensor.
-template <class T, int R>
-tensor_view<T, R> heads_of(tensor_view<T, R> t, std::int32_t first, std::int32_t count) {
-  t.data += first * t.strides[1];
-  t.extents[1] = count;
-  return t;
 }
 
 /// One layer split `shards` ways: a policy and a cache per shard (the
@@ -64,59 +56,6 @@ struct split_layer {
   std::int32_t heads() const { return H / shards; }
   auto view(std::int32_t s) { return shard_of(cache.view(), s * heads(), heads()); }
 };
-
-template <class Policy>
-typename policy_traits<Policy>::config_type draw_config(std::mt19937& rng, decode_input in) {
-  auto pick = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
-  if constexpr (std::is_same_v<Policy, h2o_policy>) {
-    if (in == decode_input::key_norms || in == decode_input::key_diff) return key_norm_config(pick(2, 5), pick(0, 2), pick(0, 1));
-    return kvtest::draw_h2o_config(pick, 4, 4);
-  } else if constexpr (std::is_same_v<Policy, recent_window_policy>) {
-    return recent_window_config{pick(0, 2), pick(2, 6)};
-  } else if constexpr (std::is_same_v<Policy, random_policy>) {
-    random_config c{pick(3, 8), pick(0, 1), 0, std::uint64_t(rng())};
-    c.recent = pick(0, c.budget - 1 - c.sinks);
-    return c;
-  } else {
-    exact_greedy_config c;
-    c.budget = pick(3, 6);
-    return c;
-  }
-}
-
-template <class Policy>
-history_extent history_of(decode_input in, std::int32_t max_tokens) {
-  if constexpr (std::is_same_v<Policy, exact_greedy_policy>) return history_extent{max_tokens, D};
-  return in == decode_input::key_diff ? key_diff_extent(D) : history_extent{};
-}
-
-/// The decode step of one shard (heads [first, first + heads) of the step).
-template <class Policy, class View>
-void observe(batched_policy<Policy>& p, const kvtest::batch_step<float>& st, decode_input in, const View& view,
-             std::int32_t first, std::int32_t heads, std::int32_t width, std::int32_t* victims) {
-  const std::int32_t qf = first * group, qn = heads * group;
-  const auto lse = heads_of(make_tensor_view<const float>(st.lse.data(), B, Hq), qf, qn);
-  const auto per_query = [&](const std::vector<float>& x) {
-    return heads_of(make_tensor_view<const float>(x.data(), B, Hq, width), qf, qn);
-  };
-  const active_set active = st.active_set();
-  switch (in) {
-    case decode_input::probs: p.observe_evict(batch_probs{per_query(st.probs)}, active, victims); break;
-    case decode_input::head_scores:
-      p.observe_evict(batch_head_scores{heads_of(make_tensor_view<const float>(st.increments.data(), B, H, width),
-                                                 first, heads)},
-                      active, victims);
-      break;
-    case decode_input::logits: p.observe_evict(batch_logits{per_query(st.logits), lse, st.scale}, active, victims); break;
-    case decode_input::queries:
-      p.observe_evict(batch_queries<float>{heads_of(make_tensor_view<const float>(st.q.data(), B, Hq, D), qf, qn), lse,
-                                           st.scale},
-                      view, active, victims);
-      break;
-    case decode_input::key_norms: p.observe_evict(key_norms<float, typename View::layout_type>{view}, active, victims); break;
-    case decode_input::key_diff: p.observe_evict(key_diff<float, typename View::layout_type>{view}, active, victims); break;
-  }
-}
 
 /// Shard s of `layer` holds what heads [s * heads, (s + 1) * heads) of the
 /// unsharded layer hold.
@@ -155,13 +94,13 @@ void require_same_rows(const Cache& whole, const Cache& split, std::int32_t capa
 template <class Policy, class MakeCache>
 void run_stream(std::uint32_t seed, decode_input in, MakeCache make_cache) {
   std::mt19937 rng(seed);
-  const auto config = draw_config<Policy>(rng, in);
+  const auto config = kvtest::draw_config<Policy>(rng, in);
   constexpr bool greedy = std::is_same_v<Policy, exact_greedy_policy>;
   const std::int32_t budget = policy_traits<Policy>::rule(config).budget;
   std::int32_t prompts[B];
   for (std::int32_t& L : prompts) L = greedy ? 0 : std::uniform_int_distribution<int>(1, budget + 6)(rng);
   const std::int32_t capacity = budget + 8, steps = 24;
-  const history_extent history = history_of<Policy>(in, capacity + steps + 1);
+  const history_extent history = kvtest::history_of<Policy>(in, capacity + steps + 1, D);
   using Cache = decltype(make_cache(capacity));
 
   batched_policy<Policy> whole(policy_shape{B, H, Hq, capacity}, config, history);
@@ -215,7 +154,7 @@ void run_stream(std::uint32_t seed, decode_input in, MakeCache make_cache) {
           batched_prefill(p.state(), all, lengths, key_diff<float, Layout>{view}, nullptr, &status);
         } else {
           const auto full = make_tensor_view<const float>(sums.data(), B, Hq, capacity);
-          batched_prefill(p.state(), all, lengths, batch_prefill_sums{heads_of(full, first * group, heads * group)},
+          batched_prefill(p.state(), all, lengths, batch_prefill_sums{kvtest::heads_of(full, first * group, heads * group)},
                           view, nullptr, &status);
         }
       } else {
@@ -239,11 +178,11 @@ void run_stream(std::uint32_t seed, decode_input in, MakeCache make_cache) {
     std::vector<std::int32_t> want(std::size_t(B) * H, -2);
     for_all([&](auto& p, const auto& view, std::int32_t first, std::int32_t heads) {
       const auto rows = [&](const std::vector<float>& x) {
-        return batch_rows<float>{heads_of(make_tensor_view<const float>(x.data(), B, H, D), first, heads)};
+        return batch_rows<float>{kvtest::heads_of(make_tensor_view<const float>(x.data(), B, H, D), first, heads)};
       };
       p.append(view, rows(st.k_new), rows(st.v_new), st.active_set());
       std::vector<std::int32_t> victims(std::size_t(B) * heads, -2);
-      observe(p, st, in, view, first, heads, capacity, victims.data());
+      kvtest::observe_step(p, st, dm, in, view, first, victims.data());
       for (std::int32_t b = 0; b < B; ++b)
         for (std::int32_t h = 0; h < heads; ++h) {
           std::int32_t& w = want[std::size_t(b) * H + first + h];

@@ -3,6 +3,7 @@
 // keep compile times down; each one compiles on its own.
 #include "kvevict/batch/batched_policy.hpp"
 #include "kvevict/batch/copy_state.hpp"
+#include "kvevict/batch/fork.hpp"
 #include "kvevict/batch/host_backend.hpp"
 #include "kvevict/batch/inputs.hpp"
 #include "kvevict/batch/evict_to.hpp"

@@ -32,7 +32,7 @@ enum class batch_code : std::uint32_t {
   history_full = 11,         ///< exact_greedy: the sequence outgrew max_tokens
   history_gap = 12,          ///< exact_greedy: a step was appended but never observed
   not_appended = 13,         ///< observe + evict with no append since the last one
-  bad_stream = 14,           ///< CUDA reset: a random stream above max_random_stream
+  bad_stream = 14,           ///< CUDA reset and fork: a random stream above max_random_stream
   bad_count = 15,            ///< a selection's k, or evict_to's target, outside what segment `index` allows
   not_empty = 16,            ///< prefill of a sequence that already holds tokens (reset it first)
   bad_length = 17,           ///< a prompt length outside [1, capacity] (index: the length, signed)
@@ -40,6 +40,7 @@ enum class batch_code : std::uint32_t {
   not_observed = 19,         ///< evict_to after an append with no observe + evict since
   narrow_input = 20,         ///< the input has fewer columns than the head holds tokens (`index`)
   repeated_sequence = 21,    ///< active-list entry `index` names a sequence an earlier entry names
+  bad_fork_source = 22,      ///< CUDA fork: the source `index` of this destination is not a sequence index
   /// Never recorded by a call: batch_status::unpack's reading of a word
   /// that is neither clear nor a recorded problem, such as 0 (a word set to
   /// 0 instead of batch_status_clear keeps every refusal out: it is the
@@ -48,7 +49,7 @@ enum class batch_code : std::uint32_t {
 };
 
 /// The highest code a call records.
-inline constexpr batch_code last_recorded_code = batch_code::repeated_sequence;
+inline constexpr batch_code last_recorded_code = batch_code::bad_fork_source;
 
 /// The value of a clear status word.
 inline constexpr std::uint64_t batch_status_clear = ~std::uint64_t{0};

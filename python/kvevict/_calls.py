@@ -85,6 +85,11 @@ CALLS: Tuple[Call, ...] = (
          doc="Initialises a state tensor of ``Descriptor(spec).state_bytes`` bytes."),
     Call("reset", _args(_ACTIVE + ", Tensor? streams=None"), "reset", ("desc", "state", "active", "streams", "stream"),
          doc="Forgets the active sequences; ``streams`` (int64): random's new request streams."),
+    Call("fork", _args("Tensor sources, Tensor? destinations=None, Tensor? streams=None"), "fork",
+         ("desc", "state", "sources", "destinations", "streams", "workspace", "stream"), workspace=True,
+         doc="Forks: each destination (entry i of ``destinations``, a list or flags; None: every sequence) becomes "
+             "a copy of sequence ``sources[i]`` as it was before the call (slots, scores, anchors, history, "
+             "length); ``streams`` (int64): random's new request streams, else the destination index."),
     Call("append", _args(_ACTIVE), "append", ("desc", "state", "active", "stream"),
          doc="Append without K/V: the caller writes each head's row to its next slot."),
     Call("append_kv",

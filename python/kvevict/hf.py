@@ -35,9 +35,15 @@ Decode steps feed the policy the step's attention probabilities, or, with
 ``scores="key_norms"`` / ``"key_diff"`` (h2o with decay 0,
 :meth:`kvevict.H2OConfig.key_norm`), nothing but the cached keys.
 
+Beam search and several sequences per prompt (``num_beams``,
+``num_return_sequences``) work: the cache's ``reorder_cache``,
+``batch_repeat_interleave`` and ``batch_select_indices`` fork each layer's
+policy state (:meth:`kvevict.BatchedPolicy.fork`, ``fork_from``) and select
+the K/V slots to match.
+
 Limits: one prompt forward then one token per forward (``generate`` with
-greedy or sampling decoding, batch 1 or unpadded batches); padded batches,
-beam search, assisted decoding and ``torch.compile`` of the model are
+greedy, sampling or beam search decoding, batch 1 or unpadded batches);
+padded batches, assisted decoding and ``torch.compile`` of the model are
 refused with an error.
 """
 
@@ -120,7 +126,10 @@ class KVEvictLayer(CacheLayerMixin):
                 "prompt forward and then one token per forward (no assisted decoding or chunked prefill)"
             )
         if B != self.policy.num_seqs:
-            raise NotImplementedError("kvevict.hf: the batch size changed between forwards (beam search?)")
+            raise NotImplementedError(
+                f"kvevict.hf: layer {self.layer_idx} got a batch of {B} after one of {self.policy.num_seqs}; change "
+                "the batch through the cache (reorder_cache, batch_repeat_interleave, batch_select_indices)"
+            )
         if self.layer_idx == 0 and self.policy._cuda:
             self.cache.check()  # the last step's refusals: a CUDA call does not wait to raise them
         self.policy.append(cache=self._view, k_new=key_states[:, :, 0], v_new=value_states[:, :, 0])
@@ -157,18 +166,54 @@ class KVEvictLayer(CacheLayerMixin):
         self.records = []
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise NotImplementedError("kvevict.hf: beam search is not supported (it would reorder the policies' state)")
+        """Beam search: sequence b continues beam ``beam_idx[b]``."""
+        self._select(beam_idx, "beam_idx")
 
     def crop(self, *args: Any) -> None:
         raise NotImplementedError("kvevict.hf: cropping an evicting cache is not supported")
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.seen:
-            raise NotImplementedError("kvevict.hf: expanding a filled cache is not supported")
+        """Each sequence becomes ``repeats`` copies of itself, side by side."""
+        if self.policy is not None:
+            B = self.policy.num_seqs
+            self._select(torch.arange(B, device=self.keys.device).repeat_interleave(repeats), "repeats")
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self.seen:
-            raise NotImplementedError("kvevict.hf: selecting sequences of a filled cache is not supported")
+        """Keeps sequences ``indices`` (in that order)."""
+        self._select(indices, "indices")
+
+    def _select(self, indices: Any, arg: str) -> None:
+        """Sequence b becomes a copy of sequence ``indices[b]``: the policy's
+        state by kvevict's fork (into a policy of the new batch size when it
+        changes), the K/V slots by index_select. Nothing moves within a
+        sequence, so the slot table stays valid for the copied rows."""
+        if self.policy is None:
+            return  # nothing cached yet: generate expands the prompt before its forward
+        if self._prompt_pending:
+            raise RuntimeError("kvevict.hf: the cache was reordered in the middle of the prompt's forward")
+        B, device = self.policy.num_seqs, self.keys.device
+        idx = torch.as_tensor(indices, device=device).long().reshape(-1)
+        if idx.numel() == 0 or bool(((idx < 0) | (idx >= B)).any()):
+            raise _ext.OutOfRange(
+                f"kvevict.hf: argument '{arg}' names sequences outside [0, {B}) or none: {idx.tolist()}"
+            )
+        sources = idx.to(torch.int32)
+        if idx.numel() == B:
+            self.policy.fork(sources)
+        else:
+            p = self.policy
+            grown = self.cache._make_policy(idx.numel(), p.num_kv_heads, p.num_q_heads, self.keys.shape[-1],
+                                            p.capacity, device)
+            grown.fork_from(p, sources)
+            self.policy = grown
+        self.keys = self.keys.index_select(0, idx)
+        self.values = self.values.index_select(0, idx)
+        table = torch.full((idx.numel(), self._table.shape[1]), -1, dtype=torch.int32, device=self._table.device)
+        table[:, 0] = torch.arange(idx.numel(), dtype=torch.int32, device=table.device)
+        self._table = table
+        self._view = CacheView.paged(self.keys, self.values, table, order="hnd")
+        if self.cache.record:
+            self.records.append({"kind": "select", "indices": idx.cpu()})
 
     # ---- the prompt -------------------------------------------------------------------
 
@@ -188,7 +233,8 @@ class KVEvictLayer(CacheLayerMixin):
         prompt's K/V in slots [0, L) of pages of budget + 1 slots (HND pages;
         sequence b's pages are b, then B + b * (n - 1) ...)."""
         B, H, L, D = key_states.shape
-        self.policy = self.cache._make_policy(B, H, num_q_heads, D, L, key_states.device)
+        capacity = self.cache._capacity_for_prompt(L)
+        self.policy = self.cache._make_policy(B, H, num_q_heads, D, capacity, key_states.device)
         P = self.policy.budget + 1
         pages = self.policy.capacity // P
         pool = key_states.new_empty((B * pages, H, P, D))
@@ -344,11 +390,13 @@ class KVEvictCache(Cache):
         self.max_length = max_length
         self.record = record
 
-    def _make_policy(self, B: int, H: int, Hq: int, D: int, L: int, device: torch.device) -> BatchedPolicy:
+    def _capacity_for_prompt(self, L: int) -> int:
         # The state's capacity covers the prompt (whole pages of budget + 1
         # slots); after it only the first page is ever used again.
         budget = self.config.budget
-        capacity = max(1, math.ceil(L / (budget + 1))) * (budget + 1)
+        return max(1, math.ceil(L / (budget + 1))) * (budget + 1)
+
+    def _make_policy(self, B: int, H: int, Hq: int, D: int, capacity: int, device: torch.device) -> BatchedPolicy:
         extra = dict(max_tokens=max(self.max_length, capacity), head_dim=D) if self._greedy else {}
         if self.scores == "key_diff":
             extra = dict(head_dim=D)  # KeyDiff's running anchors

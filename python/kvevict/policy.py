@@ -204,6 +204,45 @@ class BatchedPolicy:
         entry, else the sequence index."""
         _call.reset(self, self._active(active), self._array(streams, np.uint64), stream=stream)
 
+    def fork(self, sources: Any, destinations: Any = None, streams: Any = None, stream: Any = None) -> None:
+        """Sequence ``destinations[i]`` becomes a copy of sequence ``sources[i]``
+        (int32), every source read as it was before the call: its slots,
+        scores, KeyDiff anchors, exact_greedy history and length. With
+        ``destinations`` None, sequence ``b`` becomes a copy of ``sources[b]``:
+        beam search's reorder, where a sequence may be a source and a
+        destination at once. ``destinations`` may also be one flag per
+        sequence. ``streams`` (random): the copies' new request streams, else
+        the destination index. The caller copies (or shares) the K/V rows;
+        see docs/semantics.md, "Forking sequences"."""
+        _call.fork(self, self._array(sources, np.int32), self._active(destinations), self._array(streams, np.uint64),
+                   stream=stream)
+
+    def fork_from(
+        self, source: "BatchedPolicy", sources: Any, destinations: Any = None, streams: Any = None, stream: Any = None
+    ) -> None:
+        """:meth:`fork` with the sources taken from another policy ``source``:
+        one of the same config, heads and capacity, with any number of
+        sequences, on the same device. A batch grows or shrinks this way
+        (``kvevict.hf``'s ``batch_repeat_interleave`` and
+        ``batch_select_indices``). ``source`` is unchanged. An eager call
+        (not a torch op)."""
+        if not isinstance(source, BatchedPolicy):
+            raise _ext.InvalidArgument(
+                f"kvevict.BatchedPolicy.fork_from: argument 'source' is a {type(source).__name__}, expected a "
+                "BatchedPolicy"
+            )
+        if self._cuda:
+            self._unchecked.add("fork")
+        s = self._stream(stream)
+        args = (self._desc, for_ext(self.state), source._desc, for_ext(source.state),
+                for_ext(self._array(sources, np.int32)), for_ext(self._active(destinations)),
+                for_ext(self._array(streams, np.uint64)))
+        workspace = None
+        if self._cuda:
+            n = _ext.fork_from(*args, None, s)
+            workspace = self._torch.empty(max(n, 1), dtype=self._torch.uint8, device=self.device)
+        _ext.fork_from(*args, for_ext(workspace), s)
+
     def append(
         self,
         active: Any = None,

@@ -262,7 +262,7 @@ void* stream_of(std::uintptr_t stream);
 /// The active set: None (every sequence), an int32 list of distinct
 /// sequence indices, or one uint8/bool flag per sequence. The array must
 /// stay alive for the call: it is an argument of it.
-kvevict::active_set parse_active(nb::handle obj, const state_ref& st, const char* call);
+kvevict::active_set parse_active(nb::handle obj, const state_ref& st, const char* call, const char* arg = "active");
 
 /// A cache layout, checked (nanobind passes members only; this keeps a
 /// value cast from C++ honest).

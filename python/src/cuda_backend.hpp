@@ -18,6 +18,12 @@ void init(const batch_state_view& st, std::uint64_t* status, void* stream);
 void reset(const batch_state_view& st, const kvevict::active_set& active, const std::uint64_t* streams,
            std::uint64_t* status, void* stream);
 
+/// fork from `from` into `to` (the same state or not); workspace null:
+/// returns the bytes it needs and enqueues nothing.
+std::size_t fork(void* workspace, std::size_t workspace_bytes, const batch_state_view& from,
+                 const batch_state_view& to, const kvevict::active_set& destinations, const std::int32_t* sources,
+                 const std::uint64_t* streams, std::uint64_t* status, void* stream);
+
 void append(const batch_state_view& st, const kvevict::active_set& active, std::uint64_t* status, void* stream);
 void append_kv(const batch_state_view& st, const kvevict::active_set& active, const any_cache& cache,
                const any_array& k_new, const any_array& v_new, std::uint64_t* status, void* stream);

@@ -1,4 +1,4 @@
-// The decode cycle on CUDA: init, reset, append (with or without the K/V
+// The decode cycle on CUDA: init, reset, fork, append (with or without the K/V
 // scatter) and observe + evict from every input kind, over kvevict's gpu::
 // launchers (cuda_backend.hpp), the key-norm input included.
 #include "cuda_backend.hpp"
@@ -15,6 +15,16 @@ void init(const batch_state_view& st, std::uint64_t* status, void* stream) {
 void reset(const batch_state_view& st, const kvevict::active_set& active, const std::uint64_t* streams,
            std::uint64_t* status, void* stream) {
   throw_on_error(kvevict::gpu::reset_batch_sequences(st, active, streams, status, as_stream(stream)), "reset");
+}
+
+std::size_t fork(void* workspace, std::size_t workspace_bytes, const batch_state_view& from,
+                 const batch_state_view& to, const kvevict::active_set& destinations, const std::int32_t* sources,
+                 const std::uint64_t* streams, std::uint64_t* status, void* stream) {
+  std::size_t bytes = workspace ? workspace_bytes : 0;
+  throw_on_error(kvevict::gpu::batched_fork(workspace, bytes, from, to, destinations, sources, streams, status,
+                                            as_stream(stream)),
+                 "fork");
+  return bytes;
 }
 
 void append(const batch_state_view& st, const kvevict::active_set& active, std::uint64_t* status, void* stream) {

@@ -52,28 +52,82 @@ void init(const Descriptor& desc, nb::handle memory, std::uintptr_t stream) {
                        cuda::init(st.view, st.status, stream_of(stream)));
 }
 
+/// Random's request streams: one uint64 (or int64) per entry of `active`,
+/// or null. int64 streams are read as uint64: a negative one reads above
+/// max_random_stream and is refused by the library.
+const std::uint64_t* parse_streams(nb::handle obj, const state_ref& st, const kvevict::active_set& active,
+                                   const char* call) {
+  if (obj.is_none()) return nullptr;
+  const in_array s = as_array<in_array>(obj, call, "streams");
+  require_device(s, st.dev, call, "streams");
+  require_rank(s, 1, call, "streams", "one request stream per active entry");
+  require_contiguous(s, call, "streams");
+  if (!is(s.dtype(), nb::dlpack::dtype_code::UInt, 64) && !is(s.dtype(), nb::dlpack::dtype_code::Int, 64))
+    fail_arg(call, "streams", concat("has dtype ", dtype_name(s.dtype()), ", expected uint64 or int64"));
+  if (s.shape(0) != std::size_t(active.entries(st.view.num_seqs())))
+    fail_arg(call, "streams", concat("has ", s.shape(0), " entries, expected one per active entry (",
+                                     active.entries(st.view.num_seqs()), ")"));
+  return static_cast<const std::uint64_t*>(s.data());
+}
+
 void reset(const Descriptor& desc, nb::handle memory, nb::handle active_obj, nb::handle streams_obj,
            std::uintptr_t stream) {
   const char* call = "reset";
   const state_ref st = resolve_state(desc, memory, call);
   const kvevict::active_set active = parse_active(active_obj, st, call);
-  const std::uint64_t* streams = nullptr;
-  if (!streams_obj.is_none()) {
-    const in_array s = as_array<in_array>(streams_obj, call, "streams");
-    require_device(s, st.dev, call, "streams");
-    require_rank(s, 1, call, "streams", "one request stream per active entry");
-    require_contiguous(s, call, "streams");
-    if (!is(s.dtype(), nb::dlpack::dtype_code::UInt, 64) && !is(s.dtype(), nb::dlpack::dtype_code::Int, 64))
-      fail_arg(call, "streams", concat("has dtype ", dtype_name(s.dtype()), ", expected uint64 or int64"));
-    if (s.shape(0) != std::size_t(active.entries(st.view.num_seqs())))
-      fail_arg(call, "streams", concat("has ", s.shape(0), " entries, expected one per active entry (",
-                                       active.entries(st.view.num_seqs()), ")"));
-    // int64 streams are read as uint64: a negative one reads above
-    // max_random_stream and is refused by reset itself.
-    streams = static_cast<const std::uint64_t*>(s.data());
-  }
+  const std::uint64_t* streams = parse_streams(streams_obj, st, active, call);
   KVEVICT_PY_ON_DEVICE(st, run_host(st, call, [&] { kvevict::reset_batch_sequences(st.view, active, streams); }),
                        cuda::reset(st.view, active, streams, st.status, stream_of(stream)));
+}
+
+/// Forks (kvevict/batch/fork.hpp) from state `from` into state `to` (the
+/// same one, or one of another batch size): destinations (None: every
+/// sequence of `to`) become copies of sources[i]. On CUDA a call without a
+/// workspace returns the bytes it needs and does nothing else.
+std::size_t run_fork(const char* call, const state_ref& from, const state_ref& to, nb::handle sources_obj,
+                     nb::handle destinations_obj, nb::handle streams_obj, nb::handle workspace_obj,
+                     std::uintptr_t stream) {
+  if (!(from.dev == to.dev)) fail_arg(call, "source", "is a state on another device than the destination's");
+  const kvevict::active_set destinations = parse_active(destinations_obj, to, call, "destinations");
+  const in_array s = as_array<in_array>(sources_obj, call, "sources");
+  require_device(s, to.dev, call, "sources");
+  require_rank(s, 1, call, "sources", "the sequence each destination copies");
+  require_contiguous(s, call, "sources");
+  if (!is(s.dtype(), nb::dlpack::dtype_code::Int, 32))
+    fail_arg(call, "sources", concat("has dtype ", dtype_name(s.dtype()), ", expected int32"));
+  if (s.shape(0) != std::size_t(destinations.entries(to.view.num_seqs())))
+    fail_arg(call, "sources", concat("has ", s.shape(0), " entries, expected one per destination entry (",
+                                     destinations.entries(to.view.num_seqs()), ")"));
+  const auto* sources = static_cast<const std::int32_t*>(s.data());
+  const std::uint64_t* streams = parse_streams(streams_obj, to, destinations, call);
+#ifdef KVEVICT_PY_CUDA
+  if (to.dev.cuda()) {
+    if (workspace_obj.is_none())
+      return cuda::fork(nullptr, 0, from.view, to.view, destinations, sources, streams, to.status, stream_of(stream));
+    out_array ws = as_array<out_array>(workspace_obj, call, "workspace");
+    require_device(ws, to.dev, call, "workspace");
+    return cuda::fork(ws.data(), ws.nbytes(), from.view, to.view, destinations, sources, streams, to.status,
+                      stream_of(stream));
+  }
+#endif
+  (void)workspace_obj;
+  (void)stream;
+  run_host(to, call, [&] { kvevict::batched_fork(from.view, to.view, destinations, sources, streams); });
+  return 0;
+}
+
+std::size_t fork(const Descriptor& desc, nb::handle memory, nb::handle sources_obj, nb::handle destinations_obj,
+                 nb::handle streams_obj, nb::handle workspace_obj, std::uintptr_t stream) {
+  const state_ref st = resolve_state(desc, memory, "fork");
+  return run_fork("fork", st, st, sources_obj, destinations_obj, streams_obj, workspace_obj, stream);
+}
+
+std::size_t fork_from(const Descriptor& desc, nb::handle memory, const Descriptor& source_desc, nb::handle source,
+                      nb::handle sources_obj, nb::handle destinations_obj, nb::handle streams_obj,
+                      nb::handle workspace_obj, std::uintptr_t stream) {
+  const state_ref to = resolve_state(desc, memory, "fork");
+  const state_ref from = resolve_state(source_desc, source, "fork");
+  return run_fork("fork", from, to, sources_obj, destinations_obj, streams_obj, workspace_obj, stream);
 }
 
 std::uint64_t status_word(const Descriptor& desc, nb::handle memory, std::uintptr_t stream) {
@@ -257,6 +311,10 @@ void bind_state(nb::module_& m) {
   const auto none = nb::none();
   m.def("init", &init, "desc"_a, "state"_a, "stream"_a = 0);
   m.def("reset", &reset, "desc"_a, "state"_a, "active"_a = none, "streams"_a = none, "stream"_a = 0);
+  m.def("fork", &fork, "desc"_a, "state"_a, "sources"_a, "destinations"_a = none, "streams"_a = none,
+        "workspace"_a = none, "stream"_a = 0);
+  m.def("fork_from", &fork_from, "desc"_a, "state"_a, "source_desc"_a, "source"_a, "sources"_a,
+        "destinations"_a = none, "streams"_a = none, "workspace"_a = none, "stream"_a = 0);
   m.def("status_word", &status_word, "desc"_a, "state"_a, "stream"_a = 0);
   m.def("check", &check, "desc"_a, "state"_a, "stream"_a = 0, "call"_a = "check");
   m.def("state_offsets", &state_offsets, "desc"_a, "state"_a);

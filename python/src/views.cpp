@@ -60,21 +60,21 @@ std::int32_t* int32_output(nb::handle obj, const device& dev, std::size_t count,
 /// The active set: None (every sequence), an int32 list of distinct
 /// sequence indices, or one uint8/bool flag per sequence. The array must
 /// stay alive for the call: it is an argument of it.
-kvevict::active_set parse_active(nb::handle obj, const state_ref& st, const char* call) {
+kvevict::active_set parse_active(nb::handle obj, const state_ref& st, const char* call, const char* arg) {
   if (obj.is_none()) return kvevict::active_set::all();
-  const in_array a = as_array<in_array>(obj, call, "active");
-  require_device(a, st.dev, call, "active");
-  require_rank(a, 1, call, "active", "a list of sequence indices, or one flag per sequence");
-  require_contiguous(a, call, "active");
+  const in_array a = as_array<in_array>(obj, call, arg);
+  require_device(a, st.dev, call, arg);
+  require_rank(a, 1, call, arg, "a list of sequence indices, or one flag per sequence");
+  require_contiguous(a, call, arg);
   if (is(a.dtype(), nb::dlpack::dtype_code::Int, 32))
     return kvevict::active_set::of_list(static_cast<const std::int32_t*>(a.data()),
                                         static_cast<std::int32_t>(a.shape(0)));
   if (is(a.dtype(), nb::dlpack::dtype_code::UInt, 8) || is(a.dtype(), nb::dlpack::dtype_code::Bool, 8)) {
     if (a.shape(0) != std::size_t(st.view.num_seqs()))
-      fail_arg(call, "active", concat("has ", a.shape(0), " flags, expected one per sequence (", st.view.num_seqs(), ")"));
+      fail_arg(call, arg, concat("has ", a.shape(0), " flags, expected one per sequence (", st.view.num_seqs(), ")"));
     return kvevict::active_set::of_flags(static_cast<const std::uint8_t*>(a.data()));
   }
-  fail_arg(call, "active",
+  fail_arg(call, arg,
            concat("has dtype ", dtype_name(a.dtype()), ", expected int32 (sequence indices) or uint8/bool (flags)"));
 }
 

@@ -699,3 +699,157 @@ TEST_CASE("cuda: a sequence named twice in the list steps for no entry; a retry 
   kvtest::check_same_state(ref.state(), mirror.view);
   CHECK_THROWS_AS(dev.append(active_set::all().as_retry()), invalid_argument);  // only observe + evict takes one
 }
+
+TEST_CASE("cuda fork equals the host's: a beam permutation with KeyDiff anchors, random's streams, bad entries") {
+  // h2o by KeyDiff (anchors) and random (streams), 10 steps on both devices,
+  // then the same forks: 0, 3 and 4 become copies of 2, 2 of 0.
+  constexpr std::int32_t B = 5, H = 2, Hq = 4, C = 9, D = 8;
+  const policy_shape shape{B, H, Hq, C};
+  const std::vector<std::int32_t> destinations = {0, 2, 3, 4}, sources = {2, 0, 2, 2};
+  const device_buffer<std::int32_t> ddest(destinations), dsrc(sources);
+  std::mt19937 rng(17);
+  auto cache = make_bhsd_cache<float>(B, H, C, D);
+  kvtest::device_cache<float, strided_layout> dcache(cache.view());
+  const auto steps = [&](auto& ref, auto& dev, auto observe) {
+    for (int step = 0; step < 10; ++step) {
+      std::vector<float> k(std::size_t(B) * H * D), v(k.size());
+      for (float& x : k) x = kvtest::random_value<float>(rng);
+      for (float& x : v) x = kvtest::random_value<float>(rng);
+      const device_buffer<float> dk(k), dv(v);
+      ref.append(cache.view(), batch_rows<float>{make_tensor_view<const float>(k.data(), B, H, D)},
+                 batch_rows<float>{make_tensor_view<const float>(v.data(), B, H, D)});
+      dev.append(dcache.view, batch_rows<float>{make_tensor_view<const float>(dk.get(), B, H, D)},
+                 batch_rows<float>{make_tensor_view<const float>(dv.get(), B, H, D)});
+      observe(ref, dev);
+    }
+  };
+  SUBCASE("h2o by KeyDiff") {
+    const h2o_config config = key_norm_config(4, 1, 1);
+    batched_policy<h2o_policy> ref(shape, config, key_diff_extent(D));
+    batched_policy<h2o_policy, device::cuda> dev(shape, config, key_diff_extent(D));
+    steps(ref, dev, [&](auto& r, auto& d) {
+      r.observe_evict(key_diff<float, strided_layout>{cache.view()});
+      d.observe_evict(key_diff<float, strided_layout>{dcache.view});
+    });
+    ref.fork(active_set::of_list(destinations.data(), 4), sources.data());
+    dev.fork(active_set::of_list(ddest.get(), 4), dsrc.get());
+    CHECK(dev.status_word() == batch_status_clear);
+    kvtest::host_state_mirror<h2o_policy> mirror(shape, config, key_diff_extent(D));
+    mirror.read(dev.state());
+    kvtest::check_same_state(ref.state(), mirror.view);
+    // Bad entries: destination 1 named twice (neither forks), 3's source
+    // outside the batch; the others fork, the lowest offence is reported.
+    const std::vector<std::int32_t> bad_dest = {1, 3, 1, 4}, bad_src = {0, 7, 2, 0};
+    const device_buffer<std::int32_t> dbd(bad_dest), dbs(bad_src);
+    dev.fork(active_set::of_list(dbd.get(), 4), dbs.get());
+    const batch_status s = batch_status::unpack(dev.status_word());
+    CHECK(s.code == batch_code::repeated_sequence);
+    CHECK(s.sequence == 1);
+    CHECK_THROWS_AS(dev.check(), invalid_argument);
+    const std::int32_t good_dest = 4, good_src = 0;
+    ref.fork(active_set::of_list(&good_dest, 1), &good_src);
+    mirror.read(dev.state());
+    kvtest::check_same_state(ref.state(), mirror.view);
+    const std::vector<std::int32_t> src_only = {7};
+    const device_buffer<std::int32_t> dso(src_only), dd3(std::vector<std::int32_t>{3});
+    dev.fork(active_set::of_list(dd3.get(), 1), dso.get());
+    const batch_status s2 = batch_status::unpack(dev.status_word());
+    CHECK(s2.code == batch_code::bad_fork_source);
+    CHECK(s2.sequence == 3);
+    CHECK(s2.index == 7);
+    CHECK_THROWS_AS(dev.check(), out_of_range);
+  }
+  SUBCASE("random, with streams and by default") {
+    const random_config config{5, 1, 1, 99};
+    batched_policy<random_policy> ref(shape, config);
+    batched_policy<random_policy, device::cuda> dev(shape, config);
+    const std::vector<float> probs(std::size_t(B) * Hq * C, 0.125f);
+    const device_buffer<float> dprobs(probs);
+    steps(ref, dev, [&](auto& r, auto& d) {
+      r.observe_evict(batch_probs{make_tensor_view<const float>(probs.data(), B, Hq, C)});
+      d.observe_evict(batch_probs{make_tensor_view<const float>(dprobs.get(), B, Hq, C)});
+    });
+    const std::vector<std::uint64_t> streams = {40, 41, 42, 43};
+    const device_buffer<std::uint64_t> dstreams(streams);
+    ref.fork(active_set::of_list(destinations.data(), 4), sources.data(), streams.data());
+    dev.fork(active_set::of_list(ddest.get(), 4), dsrc.get(), dstreams.get());
+    const std::vector<std::uint8_t> flags = {0, 1, 0, 0, 1};
+    const std::vector<std::int32_t> by_seq = {-9, 4, -9, -9, 1};  // 1 and 4 swap; unflagged entries are not read
+    const device_buffer<std::uint8_t> dflags(flags);
+    const device_buffer<std::int32_t> dby(by_seq);
+    ref.fork(active_set::of_flags(flags.data()), by_seq.data());
+    dev.fork(active_set::of_flags(dflags.get()), dby.get());
+    steps(ref, dev, [&](auto& r, auto& d) {
+      r.observe_evict(batch_probs{make_tensor_view<const float>(probs.data(), B, Hq, C)});
+      d.observe_evict(batch_probs{make_tensor_view<const float>(dprobs.get(), B, Hq, C)});
+    });
+    CHECK(dev.status_word() == batch_status_clear);
+    kvtest::host_state_mirror<random_policy> mirror(shape, config);
+    mirror.read(dev.state());
+    kvtest::check_same_state(ref.state(), mirror.view);
+    CHECK(mirror.view.streams[1] == 1);
+    CHECK(mirror.view.streams[2] == 41);
+    // Across states: the batch doubled, 2k and 2k + 1 copies of k.
+    const policy_shape grown{2 * B, H, Hq, C};
+    batched_policy<random_policy> ref2(grown, config);
+    batched_policy<random_policy, device::cuda> dev2(grown, config);
+    std::vector<std::int32_t> twice(2 * B);
+    for (std::int32_t j = 0; j < 2 * B; ++j) twice[std::size_t(j)] = j / 2;
+    const device_buffer<std::int32_t> dtwice(twice);
+    batched_fork(ref.state(), ref2.state(), active_set::all(), twice.data());
+    std::size_t bytes = 0;
+    KVTEST_CUDA(gpu::batched_fork(nullptr, bytes, dev.state(), dev2.state(), active_set::all(), dtwice.get(), nullptr,
+                                  dev2.status_device(), nullptr));
+    device_buffer<unsigned char> workspace(bytes);
+    KVTEST_CUDA(gpu::batched_fork(workspace.get(), bytes, dev.state(), dev2.state(), active_set::all(), dtwice.get(),
+                                  nullptr, dev2.status_device(), nullptr));
+    CHECK(dev2.status_word() == batch_status_clear);
+    kvtest::host_state_mirror<random_policy> mirror2(grown, config);
+    mirror2.read(dev2.state());
+    kvtest::check_same_state(ref2.state(), mirror2.view);
+  }
+  CHECK(dcache.same_bytes_as(cache.view()));
+}
+
+TEST_CASE("cuda: a tensor-parallel shard (first_kv_head) draws random's victims as the host shard does") {
+  // test_tensor_parallel holds host shards to the unsharded layer; here the
+  // CUDA shard's decode and prefill draws follow first_kv_head as the host's.
+  constexpr std::int32_t B = 3, H = 2, Hq = 4, C = 12, D = 8;
+  const policy_shape shape{B, H, Hq, C, 6};
+  const random_config config{5, 1, 1, 1234};
+  batched_policy<random_policy> ref(shape, config);
+  batched_policy<random_policy, device::cuda> dev(shape, config);
+  std::mt19937 rng(5);
+  auto cache = make_bhsd_cache<float>(B, H, C, D);
+  for (std::int32_t b = 0; b < B; ++b)
+    for (std::int32_t h = 0; h < H; ++h)
+      for (std::int32_t s = 0; s < C; ++s)
+        for (std::int32_t d = 0; d < D; ++d) cache.view().k_row(b, h, s)[d] = kvtest::random_value<float>(rng);
+  kvtest::device_cache<float, strided_layout> dcache(cache.view());
+  const std::int32_t prompts[B] = {12, 7, 3};
+  const device_buffer<std::int32_t> dprompts(std::vector<std::int32_t>(prompts, prompts + B));
+  std::uint64_t status = batch_status_clear;
+  batched_prefill(ref.state(), active_set::all(), prompt_lengths{prompts, C}, cache.view(), nullptr, &status);
+  REQUIRE(status == batch_status_clear);
+  std::size_t bytes = 0;
+  const prompt_lengths dev_prompts{dprompts.get(), C};
+  KVTEST_CUDA(gpu::batched_prefill(nullptr, bytes, dev.state(), active_set::all(), dev_prompts, dcache.view, nullptr,
+                                   dev.status_device(), nullptr));
+  device_buffer<unsigned char> workspace(bytes);
+  KVTEST_CUDA(gpu::batched_prefill(workspace.get(), bytes, dev.state(), active_set::all(), dev_prompts, dcache.view,
+                                   nullptr, dev.status_device(), nullptr));
+  const std::vector<float> probs(std::size_t(B) * Hq * C, 0.25f);
+  const device_buffer<float> dprobs(probs);
+  for (int step = 0; step < 12; ++step) {
+    ref.append();
+    dev.append();
+    ref.observe_evict(batch_probs{make_tensor_view<const float>(probs.data(), B, Hq, C)});
+    dev.observe_evict(batch_probs{make_tensor_view<const float>(dprobs.get(), B, Hq, C)});
+  }
+  CHECK(ref.status_word() == batch_status_clear);
+  CHECK(dev.status_word() == batch_status_clear);
+  kvtest::host_state_mirror<random_policy> mirror(shape, config);
+  mirror.read(dev.state());
+  kvtest::check_same_state(ref.state(), mirror.view);
+  CHECK(dcache.same_bytes_as(cache.view()));
+}

@@ -108,3 +108,38 @@ def replay_keys(cache, watch, config, prompt_length, steps, scores):
                 ref.evict(b)
             np.testing.assert_array_equal(ref.positions(), watch.positions[step][layer_idx].numpy(),
                                           err_msg=f"layer {layer_idx} step {step}")  # fmt: skip
+
+
+def replay_lineages(cache, watch, config, prompt_length):
+    """Beam search and several sequences per prompt: after every forward,
+    each sequence's whole lineage (the prompt's column sums of the row it
+    descends from, then each step's probabilities of the rows it passed
+    through, following every recorded reorder) replayed from scratch through
+    a fresh per-sequence h2o_policy must keep the positions the cache's
+    policy keeps. The replay never forks: it is the reference for fork."""
+    for layer_idx, layer in enumerate(cache.layers):
+        p, lineages, forward = layer.policy, None, 0
+        for record in layer.records:
+            if record["kind"] == "prompt":
+                sums = record["column_sums"].numpy()
+                lineages = [[("prompt", sums[b])] for b in range(sums.shape[0])]
+            elif record["kind"] == "select":
+                lineages = [list(lineages[i]) for i in record["indices"].tolist()]
+                continue
+            else:
+                probs = record["probs"].numpy()
+                for b, lineage in enumerate(lineages):
+                    lineage.append(("step", probs[b]))
+            ref = kv.SequencePolicy(config, len(lineages), p.num_kv_heads, p.capacity, num_q_heads=p.num_q_heads)
+            for b, lineage in enumerate(lineages):
+                for kind, x in lineage:
+                    if kind == "prompt":
+                        ref.prefill_column_sums(b, prompt_length, np.ascontiguousarray(x))
+                    else:
+                        ref.append(b)
+                        ref.observe_probs(b, np.ascontiguousarray(x))
+                        ref.evict(b)
+            np.testing.assert_array_equal(ref.positions(), watch.positions[forward][layer_idx].numpy(),
+                                          err_msg=f"layer {layer_idx} forward {forward}")  # fmt: skip
+            forward += 1
+        assert forward == len(watch.positions)

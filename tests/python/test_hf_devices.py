@@ -85,3 +85,55 @@ def test_sampling_is_reproducible(tiny):
     config = kv.H2OConfig.from_ratios(PROMPT + NEW_TOKENS, 0.1, 0.1)
     first, second = hf_replay.sample_twice(model, ids, NEW_TOKENS, config, HEAD_DIM)
     assert torch.equal(first, second)
+
+
+def test_beam_search_with_a_budget_covering_the_sequence_gives_the_dynamic_cache_beams(tiny):
+    model, ids = tiny
+    config = kv.H2OConfig(28, 28)  # nothing is ever evicted: every reorder must move the right rows
+    kw = dict(num_beams=3, num_return_sequences=2, early_stopping=False)
+    expected = generate(model, ids, attn="eager", **kw)
+    got = generate(model, ids, kvhf.KVEvictCache(config), **kw)
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("decoding", ["beams", "samples"])
+def test_beams_and_returned_sequences_at_twenty_percent_keep_what_each_lineage_keeps(tiny, decoding):
+    model, ids = tiny
+    config = kv.H2OConfig.from_ratios(PROMPT + NEW_TOKENS, 0.1, 0.1)
+    cache = kvhf.KVEvictCache(config, record=True)
+    watch = hf_replay.Watch(cache, config.budget + 1, HEAD_DIM)
+    kw = dict(num_beams=3, num_return_sequences=2, early_stopping=False) if decoding == "beams" else \
+        dict(do_sample=True, top_k=20, num_return_sequences=3)  # fmt: skip
+    torch.manual_seed(7)
+    out = generate(model, ids, cache, logits_processor=transformers.LogitsProcessorList([watch]), **kw)
+    assert out.shape[0] == ids.shape[0] * kw["num_return_sequences"]
+    selects = [r for r in cache.layers[0].records if r["kind"] == "select"]
+    if decoding == "beams":  # the beams were reordered, and not always in place
+        assert len(selects) >= NEW_TOKENS - 1
+        assert any(not torch.equal(r["indices"], torch.arange(r["indices"].numel())) for r in selects)
+    else:
+        assert not selects
+    hf_replay.replay_lineages(cache, watch, config, PROMPT)
+
+
+def test_the_batch_grows_and_shrinks_through_the_cache(tiny):
+    model, ids = tiny
+    config = kv.H2OConfig.from_ratios(PROMPT + NEW_TOKENS, 0.1, 0.1)
+    cache = kvhf.KVEvictCache(config)
+    generate(model, ids, cache)
+    before = [(l.policy.positions.cpu().clone(), l.policy.scores.cpu().clone(), l.keys.clone()) for l in cache.layers]
+    cache.batch_repeat_interleave(2)  # 0, 0, 1, 1
+    cache.batch_select_indices(torch.tensor([3, 0, 1]))  # 1, 0, 0
+    for layer, (positions, scores, keys) in zip(cache.layers, before):
+        rows = torch.tensor([1, 0, 0])
+        assert layer.policy.num_seqs == 3
+        assert torch.equal(layer.policy.positions.cpu(), positions[rows])
+        assert torch.equal(layer.policy.scores.cpu(), scores[rows])
+        assert torch.equal(layer.keys, keys[rows.to(keys.device)])
+    with pytest.raises(kv.OutOfRange, match="argument 'indices'"):
+        cache.batch_select_indices(torch.tensor([3]))
+    # The reshaped cache decodes on: a forward of the three sequences.
+    step = torch.full((3, 1), 5, dtype=ids.dtype, device=ids.device)
+    with torch.no_grad():
+        model(step, use_cache=True, **kvhf.generate_kwargs(cache))  # cache= or past_key_values=, by version
+    assert cache.get_seq_length() == PROMPT + NEW_TOKENS

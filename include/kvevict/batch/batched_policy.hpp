@@ -17,6 +17,7 @@
 // turns into the library's exception.
 #include <cstdint>
 
+#include "kvevict/batch/fork.hpp"
 #include "kvevict/batch/host_backend.hpp"
 #include "kvevict/batch/host_state.hpp"
 #include "kvevict/batch/inputs.hpp"
@@ -74,6 +75,14 @@ class batched_policy<Policy, device::host> {
   /// Forgets the active sequences; streams[i]: entry i's random stream.
   void reset(const active_set& active, const std::uint64_t* streams = nullptr, stream_type = {}) {
     reset_batch_sequences(state(), active, streams);
+  }
+
+  /// Forks (batch/fork.hpp): entry i's destination becomes a copy of
+  /// sources[i], every source read as before the call; streams[i]: random's
+  /// new stream (default: the destination index).
+  void fork(const active_set& destinations, const std::int32_t* sources, const std::uint64_t* streams = nullptr,
+            stream_type = {}) {
+    batched_fork(state(), destinations, sources, streams);
   }
 
   /// The status word the calls report to (status.hpp).

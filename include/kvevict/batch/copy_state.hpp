@@ -20,13 +20,12 @@ namespace kvevict {
 
 namespace detail {
 
-// What must match for dst to continue src's decisions: everything but the
-// capacity.
+// What must match for a sequence of dst to continue one of src's: everything
+// but the capacity and the number of sequences.
 inline void require_same_policy(const site& w, const batch_state_view& src, const batch_state_view& dst) {
   const auto same = [&](const char* what, std::int64_t a, std::int64_t b) {
     if (a != b) fail<invalid_argument>(w, what, "= ", b, " in dst, ", a, " in src");
   };
-  same("num_seqs", src.num_seqs(), dst.num_seqs());
   same("num_heads", src.num_heads(), dst.num_heads());
   same("num_q_heads", src.num_q_heads, dst.num_q_heads);
   const decode_rule &a = src.rule, &b = dst.rule;
@@ -72,6 +71,8 @@ inline void copy_state(const batch_state_view& src, const batch_state_view& dst)
   const detail::site w{"batch", "copy_state"};
   detail::require_state(w, src);
   detail::require_state(w, dst);
+  if (src.num_seqs() != dst.num_seqs())
+    detail::fail<invalid_argument>(w, "num_seqs", "= ", dst.num_seqs(), " in dst, ", src.num_seqs(), " in src");
   detail::require_same_policy(w, src, dst);
   detail::require_fits(w, src, dst.capacity());
   const std::int64_t heads = std::int64_t{src.num_seqs()} * src.num_heads();

@@ -182,6 +182,7 @@ struct state_parts {
   bool streams = false;  ///< random's request streams
   bool history = false;  ///< exact_greedy's history (max_tokens x head_dim)
   bool anchors = false;  ///< KeyDiff's anchors (head_dim)
+  bool workspace = true; ///< scratch and the CUDA kernels' workspace (a fork's snapshot has none)
 };
 
 /// Whether a state keeps KeyDiff anchors: a policy that evicts by score
@@ -215,7 +216,7 @@ inline batch_state_view carve_state(void* memory, const policy_shape& shape, con
   v.score_buffer = c.take<std::uint8_t>(heads);
   v.appended = c.take<std::uint8_t>(heads);
   if (parts.streams) v.streams = c.take<std::uint64_t>(shape.num_seqs);
-  v.victim_scratch = c.take<std::int32_t>(slots);
+  if (parts.workspace) v.victim_scratch = c.take<std::int32_t>(slots);
   if (parts.history) {
     history_view& hv = v.history;
     hv.max_tokens = history.max_tokens;
@@ -225,8 +226,10 @@ inline batch_state_view carve_state(void* memory, const policy_shape& shape, con
     hv.keys = c.take<float>(rows * history.head_dim);
     hv.values = c.take<float>(rows * history.head_dim);
     hv.rows = c.take<std::int32_t>(heads);
-    hv.cached = c.take<std::uint8_t>(rows);
-    hv.work = c.take<double>(heads * hv.work_doubles());
+    if (parts.workspace) {
+      hv.cached = c.take<std::uint8_t>(rows);
+      hv.work = c.take<double>(heads * hv.work_doubles());
+    }
   }
   if (parts.anchors) {
     key_anchor_view& a = v.anchors;
@@ -236,13 +239,15 @@ inline batch_state_view carve_state(void* memory, const policy_shape& shape, con
     a.units = c.take<float>(heads * history.head_dim);
     a.upto = c.take<std::int32_t>(heads);
   }
-  device_workspace& dw = v.work;
-  if (max_row_chunks(shape.capacity) > 1) dw.partials = c.take<row_partial>(heads * max_row_chunks(shape.capacity));
-  dw.arrivals = c.take<std::uint32_t>(heads);
-  dw.evict_plans = c.take<evict_to_plan>(heads);
-  dw.evict_counts = c.take<std::int32_t>(heads);
-  dw.select_bytes = evict_select_bytes(w, heads, shape.capacity);
-  dw.select = c.take<unsigned char>(static_cast<std::int64_t>(dw.select_bytes));
+  if (parts.workspace) {
+    device_workspace& dw = v.work;
+    if (max_row_chunks(shape.capacity) > 1) dw.partials = c.take<row_partial>(heads * max_row_chunks(shape.capacity));
+    dw.arrivals = c.take<std::uint32_t>(heads);
+    dw.evict_plans = c.take<evict_to_plan>(heads);
+    dw.evict_counts = c.take<std::int32_t>(heads);
+    dw.select_bytes = evict_select_bytes(w, heads, shape.capacity);
+    dw.select = c.take<unsigned char>(static_cast<std::int64_t>(dw.select_bytes));
+  }
   v.rule = rule;
   v.rule.first_head = shape.first_kv_head;  // a shard's place in its layer, for random's draws
   v.num_q_heads = shape.num_q_heads;

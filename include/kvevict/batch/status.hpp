@@ -75,6 +75,7 @@ inline const char* describe(batch_code code) noexcept {
       return "the input has fewer columns than the head holds tokens (one per occupied slot)";
     case batch_code::repeated_sequence:
       return "the active list names this sequence more than once; no entry naming it stepped";
+    case batch_code::bad_fork_source: return "the sequence a fork copies is outside [0, num_seqs)";
     case batch_code::bad_status_word:
       return "the word is not one a batched call writes: initialise it to batch_status_clear (all ones); a "
              "word of 0 is below every problem, so no refusal could be recorded in it";
@@ -93,6 +94,7 @@ inline const char* status_index_meaning(batch_code code) noexcept {
     case batch_code::over_capacity: return "the tokens appended";
     case batch_code::narrow_input: return "the tokens the head holds";
     case batch_code::bad_count: return "the segment";
+    case batch_code::bad_fork_source: return "the source";
     case batch_code::bad_stream: return "the active-list entry";
     case batch_code::nan_input:
     case batch_code::infinite_input:
@@ -115,8 +117,10 @@ inline std::string status_place(const batch_status& s, bool prefill = false) {
     return concat("at sequence ", s.sequence, ", active-list entry ", s.entry, ": ", describe(s.code),
                   " (that sequence was left unchanged)");
   const char* meaning = status_index_meaning(s.code);
-  // A prompt's length and emptiness are the sequence's: prefill leaves all of it unchanged.
-  const bool whole = prefill || s.code == batch_code::bad_length || s.code == batch_code::not_empty;
+  // A prompt's length and emptiness are the sequence's: prefill leaves all of it unchanged; so do
+  // reset and fork for a bad stream or source.
+  const bool whole = prefill || s.code == batch_code::bad_length || s.code == batch_code::not_empty ||
+                     s.code == batch_code::bad_stream || s.code == batch_code::bad_fork_source;
   return concat("at sequence ", s.sequence, ", head ", s.head, ", index ", s.index,
                 *meaning ? concat(" (", meaning, ")") : std::string(), ": ", describe(s.code),
                 whole ? " (that sequence was left unchanged)" : " (that head was left unchanged)");
@@ -147,6 +151,7 @@ inline void throw_status(const site& where, std::uint64_t word, bool prefill) {
     case batch_code::bad_stream:
     case batch_code::bad_count:
     case batch_code::bad_length:
+    case batch_code::bad_fork_source:
     case batch_code::bad_page: fail_state<out_of_range>(where, at);
     case batch_code::no_free_slot:
     case batch_code::not_empty:

@@ -18,6 +18,7 @@
 #include "kvevict/batch/status.hpp"
 #include "kvevict/cuda/append.cuh"
 #include "kvevict/cuda/error.cuh"
+#include "kvevict/cuda/fork.cuh"
 #include "kvevict/cuda/observe_evict.cuh"
 #include "kvevict/cuda/state.cuh"
 #include "kvevict/device.hpp"
@@ -87,6 +88,25 @@ class batched_policy<Policy, device::cuda> {
   /// Forgets the active sequences; streams (device memory): entry i's random stream.
   void reset(const active_set& active, const std::uint64_t* streams = nullptr, cudaStream_t stream = nullptr) {
     gpu::throw_on_error(gpu::reset_batch_sequences(state_, active, streams, status_, stream), "reset");
+  }
+
+  /// Forks (batch/fork.hpp, cuda/fork.cuh); the destinations' list, sources
+  /// and streams are device memory. The snapshot of the sources comes from
+  /// the device's stream-ordered pool (cudaMallocAsync) and goes back there
+  /// after the launches, so the call does not synchronise.
+  void fork(const active_set& destinations, const std::int32_t* sources, const std::uint64_t* streams = nullptr,
+            cudaStream_t stream = nullptr) {
+    std::size_t bytes = 0;
+    gpu::throw_on_error(gpu::batched_fork(nullptr, bytes, state_, destinations, sources, streams, status_, stream),
+                        "fork");
+    if (destinations.entries(shape_.num_seqs) == 0) return;
+    kvevict::detail::require_not_null(kvevict::detail::site{"cuda", "fork"}, "sources", sources);
+    void* workspace = nullptr;
+    gpu::throw_on_error(cudaMallocAsync(&workspace, bytes, stream), "fork (workspace)");
+    const cudaError_t e = gpu::batched_fork(workspace, bytes, state_, destinations, sources, streams, status_, stream);
+    const cudaError_t freed = cudaFreeAsync(workspace, stream);
+    gpu::throw_on_error(e, "fork");
+    gpu::throw_on_error(freed, "fork (workspace)");
   }
 
   /// The status word, after waiting for `stream`.

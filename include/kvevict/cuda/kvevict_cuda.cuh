@@ -9,6 +9,7 @@
 #include "kvevict/cuda/error.cuh"
 #include "kvevict/cuda/evict_to.cuh"
 #include "kvevict/cuda/exact_greedy.cuh"
+#include "kvevict/cuda/fork.cuh"
 #include "kvevict/cuda/leave_one_out.cuh"
 #include "kvevict/cuda/multi_token.cuh"
 #include "kvevict/cuda/observe_evict.cuh"

@@ -42,6 +42,15 @@ class random_policy : public policy_base<random_policy> {
     reset_sequence(b, &stream);
   }
 
+  using policy_base::fork;
+  /// fork, the copy's draws keyed by `stream` (at most max_random_stream)
+  /// instead of the destination index.
+  void fork(std::int32_t source, std::int32_t destination, std::uint64_t stream) {
+    if (stream > max_random_stream)
+      detail::fail<out_of_range>(where("fork"), "stream", "= ", stream, " exceeds max_random_stream = 2^63 - 1");
+    fork_sequence(source, destination, &stream);
+  }
+
   using policy_base::prefill;
   /// Prefill needs no scores: sinks, the recent window, and a uniform random
   /// subset of the rest (the highest Philox priorities of the stream).

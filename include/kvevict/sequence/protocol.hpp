@@ -37,6 +37,7 @@
 #include "kvevict/compaction.hpp"
 #include "kvevict/error.hpp"
 #include "kvevict/kv_view.hpp"
+#include "kvevict/batch/fork.hpp"
 #include "kvevict/policy/decode_rules.hpp"
 #include "kvevict/policy/evict_to.hpp"
 #include "kvevict/policy/policy_shape.hpp"
@@ -191,6 +192,14 @@ class sequence_protocol {
     reset_sequence(b, nullptr);
   }
 
+  /// Sequence `destination` becomes a copy of sequence `source`
+  /// (batch/fork.hpp, docs/semantics.md "Forking sequences"): its slots,
+  /// scores, anchors, history, length and a pending step's victims; random
+  /// gives it the stream `destination` (random_policy::fork takes another).
+  /// The engine copies or shares the K/V rows. source == destination
+  /// changes nothing else.
+  void fork(std::int32_t source, std::int32_t destination) { fork_sequence(source, destination, nullptr); }
+
   /// Multi-token eviction (evict_to.hpp): every KV head of sequence b that
   /// holds more than `target` tokens keeps `target` (its protected tokens
   /// plus the best of the rest) and kept rows move in `view` so the occupied
@@ -314,6 +323,19 @@ class sequence_protocol {
   void forget_step(std::int32_t b) noexcept {
     victims_found_[std::size_t(b)] = 0;
     anchor_follows_[std::size_t(b)] = 0;
+  }
+
+  /// fork, with random's new stream (or the default when null).
+  void fork_sequence(std::int32_t source, std::int32_t destination, const std::uint64_t* stream) {
+    const site w = where("fork");
+    require_index(w, "source", source, shape_.num_seqs);
+    require_index(w, "destination", destination, shape_.num_seqs);
+    batched_fork(state(), active_set::of_list(&destination, 1), &source, stream);
+    const auto s = std::size_t(source), d = std::size_t(destination), heads = std::size_t(shape_.num_kv_heads);
+    victims_found_[d] = victims_found_[s];
+    anchor_follows_[d] = anchor_follows_[s];
+    std::copy_n(found_victims_.begin() + std::ptrdiff_t(s * heads), heads,
+                found_victims_.begin() + std::ptrdiff_t(d * heads));
   }
 
   /// reset, with random's new stream (or the default when null).
