@@ -160,6 +160,10 @@ template <>
 inline const char* dtype_name<kvevict::half>() { return "f16"; }
 template <>
 inline const char* dtype_name<kvevict::bfloat16>() { return "bf16"; }
+template <>
+inline const char* dtype_name<kvevict::fp8_e4m3>() { return "fp8e4m3"; }
+template <>
+inline const char* dtype_name<kvevict::fp8_e5m2>() { return "fp8e5m2"; }
 
 template <class T>
 std::vector<T> random_rows(std::size_t n, float bound, std::uint32_t seed) {

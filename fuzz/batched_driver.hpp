@@ -1,7 +1,7 @@
 #pragma once
 // The batched half of fuzz_policy_api: batched_policy<Policy, device::host>
 // (append, append with the K/V scatter, observe_evict with every input kind,
-// reset, check) and the free functions on its state (batched_append_tokens,
+// reset, fork, check) and the free functions on its state (batched_append_tokens,
 // batched_evict_to into the cache or as moves, batched_prefill with every
 // input kind), over every policy, layout and dtype, with active sets of
 // every mode (all, list, flags; sometimes invalid, with repeated entries,
@@ -83,7 +83,7 @@ class batched_driver {
   }
 
   void run() {
-    for (int call = 0; call < max_batched_calls && !in_.exhausted(); ++call) step(in_.range(0, 13));
+    for (int call = 0; call < max_batched_calls && !in_.exhausted(); ++call) step(in_.range(0, 14));
   }
 
  private:
@@ -348,6 +348,7 @@ class batched_driver {
       case 10:
       case 11: return prefill();
       case 12: return mutate_page_table(in_, cache_, pristine_);
+      case 13: return fork();
       default: return valid_step();
     }
   }
@@ -635,6 +636,48 @@ class batched_driver {
       for (std::int32_t b = 0; b < seqs(); ++b)
         if (length(b) == 0) shadow_->reset(b);
     check_all("batched reset");
+  }
+
+  /// fork: destinations (any active set) become copies of sources (now
+  /// and then outside the batch), random's with streams (now and then too
+  /// large); then the engine's part, each destination's K/V rows its
+  /// source's as they were.
+  void fork() {
+    const owned_active active = pick_active();
+    const std::int32_t entries = std::max(active.set.entries(seqs()), 0);
+    std::vector<std::int32_t> sources(std::size_t(std::max(entries, seqs())) + 1);
+    for (auto& s : sources) s = in_.one_in(16) ? (in_.one_in(2) ? -1 : seqs()) : in_.range(0, seqs() - 1);
+    std::vector<std::uint64_t> streams(sources.size());
+    for (auto& s : streams) s = in_.one_in(16) ? kvevict::max_random_stream + 1 : in_.u64() >> 1;
+    const bool with_streams = in_.one_in(2);
+    const before_call before = remember();
+    if (!call("fork", before, true, true, [&](std::uint64_t& s) {
+          policy_->fork(active.set, sources.data(), with_streams ? streams.data() : nullptr);
+          s = policy_->status_word();
+        }))
+      return;
+    std::optional<h2o_shadow> old;
+    if constexpr (is_h2o) old = *shadow_;
+    const view_type v = cache_.view();
+    for (std::int32_t i = 0; i < entries; ++i) {
+      const std::int32_t d = active.set.sequence(i, seqs()), src = sources[std::size_t(i)];
+      if (d < 0) continue;
+      require(length(d) == before.lengths[std::size_t(src)], "batched fork: a destination's length is not its source's");
+      for (std::int32_t h = 0; h < heads(); ++h) {
+        require(count(d, h) == before.counts[std::size_t(src) * heads() + h],
+                "batched fork: a destination's count is not its source's");
+        for (std::int32_t slot = 0; slot < capacity(); ++slot) {
+          require(position(d, h, slot) == before_position(before, src, h, slot),
+                  "batched fork: a destination's slot table is not its source's");
+          if (shares_pages(d) || !mapped(v, d, slot) || !mapped(v, src, slot)) continue;
+          const std::int64_t to = v.layout.row_offset(d, h, slot), from = v.layout.row_offset(src, h, slot);
+          std::memcpy(v.k + to, before.k.data() + from, sizeof(T) * head_dim());
+          std::memcpy(v.v + to, before.v.data() + from, sizeof(T) * head_dim());
+        }
+      }
+      if constexpr (is_h2o) shadow_->copy_sequence(*old, src, d);
+    }
+    check_all("batched fork");
   }
 
   /// Prompt row i's element as the brute force sums it (the h2o decay).

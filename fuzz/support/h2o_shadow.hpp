@@ -60,6 +60,13 @@ class h2o_shadow {
     lengths_[std::size_t(b)] = 0;
   }
 
+  /// fork: sequence `destination` becomes what sequence `source` of
+  /// `before` (the shadow before the call) held.
+  void copy_sequence(const h2o_shadow& before, std::int32_t source, std::int32_t destination) {
+    for (std::int32_t h = 0; h < heads_; ++h) head(destination, h) = before.head(source, h);
+    lengths_[std::size_t(destination)] = before.lengths_[std::size_t(source)];
+  }
+
   /// Adds an increment to the score of `position`; a non-finite result is a
   /// finding (the library promises to refuse the update instead).
   void add(std::int32_t b, std::int32_t h, std::int32_t position, float increment, const char* call) {

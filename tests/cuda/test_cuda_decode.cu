@@ -151,9 +151,10 @@ void observe(P& p, input_kind kind, const kvtest::batch_dims& dm, const float* p
     case input_kind::logits:
       p.observe_evict(batch_logits{make_tensor_view<const float>(logits, B, Hq, W), lse_view, scale}, active, victims);
       break;
-    case input_kind::queries:
-      p.observe_evict(batch_queries<float>{make_tensor_view<const float>(q, B, Hq, D), lse_view, scale}, cache, active,
-                      victims);
+    case input_kind::queries:  // fp8 keys need their scales (a compile-time refusal); never asked for
+      if constexpr (!is_fp8_v<typename View::element_type>)
+        p.observe_evict(batch_queries<float>{make_tensor_view<const float>(q, B, Hq, D), lse_view, scale}, cache,
+                        active, victims);
       break;
   }
 }
@@ -288,11 +289,15 @@ void run_policy(const char* name, int seeds_per_combo) {
             else run_stream<Policy, T, owning_device_policy<Policy>>(seed, layout, group, kind, equal, tot);
           };
           // The dtype cycles over the seeds that run, so quick mode (the sanitizer
-          // runs) covers half and bfloat16 too.
-          switch ((seed / stride) % 3) {
+          // runs) covers half and bfloat16 too; fp8 caches with the inputs that
+          // do not read keys.
+          const int dtypes = kind == input_kind::queries ? 3 : 5;
+          switch ((seed / stride) % dtypes) {
             case 0: run(float{}); break;
             case 1: run(kvevict::half{}); break;
-            default: run(kvevict::bfloat16{}); break;
+            case 2: run(kvevict::bfloat16{}); break;
+            case 3: run(kvevict::fp8_e4m3{}); break;
+            default: run(kvevict::fp8_e5m2{}); break;
           }
         }
   MESSAGE(std::string(name), ": ", tot.streams, " streams, ", tot.steps, " steps (", tot.bad_steps,

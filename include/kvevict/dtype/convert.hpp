@@ -1,12 +1,14 @@
 #pragma once
 // One spelling for "convert to/from float" across every KV dtype, so library
 // code can be written once as a template over the storage type and compute in
-// float regardless of how the cache is stored.
+// float regardless of how the cache is stored. fp8 codes are values only
+// with their scale: dequantize(code, scale); their to_float is refused.
 
 #include <type_traits>
 
 #include "kvevict/config.hpp"
 #include "kvevict/dtype/bfloat16.hpp"
+#include "kvevict/dtype/fp8.hpp"
 #include "kvevict/dtype/half.hpp"
 
 namespace kvevict {
@@ -16,22 +18,53 @@ namespace kvevict {
 // silently accepted.
 template <class T>
 inline constexpr bool is_kv_dtype_v =
-    std::is_same_v<T, float> || std::is_same_v<T, half> || std::is_same_v<T, bfloat16>;
+    std::is_same_v<T, float> || std::is_same_v<T, half> || std::is_same_v<T, bfloat16> || is_fp8_v<T>;
 
 KVEVICT_HOST_DEVICE inline float to_float(float x) noexcept { return x; }
 KVEVICT_HOST_DEVICE inline float to_float(half x) noexcept { return half_to_float(x); }
 KVEVICT_HOST_DEVICE inline float to_float(bfloat16 x) noexcept { return bfloat16_to_float(x); }
+
+/// An fp8 K/V code is a value only with its scale (vLLM's and TensorRT-LLM's
+/// k_scale / v_scale): a path that reads keys or values as numbers refuses
+/// fp8 at compile time until it takes the scales. Paths that move the bytes
+/// (append, scatter, compaction, prefill and evict_to by attention inputs)
+/// take fp8 caches.
+template <class T, std::enable_if_t<is_fp8_v<T>, int> = 0>
+KVEVICT_HOST_DEVICE float to_float(T) noexcept {
+  static_assert(!is_fp8_v<T>,
+                "kvevict: this path reads fp8 keys or values as numbers, which needs their scales (code x scale); it "
+                "does not take scales yet: score an fp8 cache by probabilities, logits + LSE or per-head increments");
+  return 0.0f;
+}
+
+/// A K/V element's value, as the engine's attention computes it: the code
+/// (exactly, in float) times its scale, one float product.
+template <class T>
+KVEVICT_HOST_DEVICE inline float dequantize(T x, float scale) noexcept {
+  static_assert(is_kv_dtype_v<T>, "dequantize<T>: T must be a KV dtype");
+  if constexpr (std::is_same_v<T, fp8_e4m3>) {
+    return fp8_e4m3_to_float(x) * scale;
+  } else if constexpr (std::is_same_v<T, fp8_e5m2>) {
+    return fp8_e5m2_to_float(x) * scale;
+  } else {
+    return to_float(x) * scale;
+  }
+}
 
 // Round-to-nearest-even for the 16-bit types. A single template with
 // `if constexpr` (rather than explicit specialisations) keeps one declaration
 // for nvcc and gives a readable error for unsupported types.
 template <class T>
 KVEVICT_HOST_DEVICE inline T from_float(float x) noexcept {
-  static_assert(is_kv_dtype_v<T>, "from_float<T>: T must be float, half or bfloat16");
+  static_assert(is_kv_dtype_v<T>, "from_float<T>: T must be float, half, bfloat16 or an fp8 type");
   if constexpr (std::is_same_v<T, float>) {
     return x;
   } else if constexpr (std::is_same_v<T, half>) {
     return float_to_half(x);
+  } else if constexpr (std::is_same_v<T, fp8_e4m3>) {
+    return float_to_fp8_e4m3(x);  // saturating, as CUDA's __NV_SATFINITE
+  } else if constexpr (std::is_same_v<T, fp8_e5m2>) {
+    return float_to_fp8_e5m2(x);
   } else {
     return float_to_bfloat16(x);
   }
@@ -54,6 +87,16 @@ struct dtype_traits<half> {
 template <>
 struct dtype_traits<bfloat16> {
   static constexpr const char* name = "bfloat16";
+};
+
+template <>
+struct dtype_traits<fp8_e4m3> {
+  static constexpr const char* name = "fp8_e4m3";
+};
+
+template <>
+struct dtype_traits<fp8_e5m2> {
+  static constexpr const char* name = "fp8_e5m2";
 };
 
 }  // namespace kvevict
