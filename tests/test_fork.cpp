@@ -7,17 +7,18 @@
 // KeyDiff anchors, exact_greedy history, lengths, streams and victims at
 // every step, bit for bit, for every policy and decode input, with list
 // and flag destinations. random's copies take the source's stream here
-// (so they can replay), and the destination index by default. Then the
-// refusals (state unchanged) and the per-sequence form, whose pending
-// victims travel with the copy.
+// (so they can replay), and the destination index by default. Then a fork
+// across states: the batch doubled (2k and 2k + 1 live k's life beside A)
+// and shrunk. Then the refusals (state unchanged) and the per-sequence
+// form, whose pending victims travel with the copy.
 #include <doctest/doctest.h>
 
 #include <cstdint>
 #include <cstring>
 #include <random>
 #include <tuple>
-#include <utility>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "kvevict/kvevict.hpp"

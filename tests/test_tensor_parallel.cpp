@@ -1,22 +1,23 @@
-// Tensor parallelism (docs/integration.md, "Tensor parallelism"): a layer's
-// 8 KV heads split 1, 2, 4 and 8 ways, each shard an independent batched
-// policy over its heads (with their whole query groups) and its own part of
-// the inputs, must decide what the unsharded layer decides. For every
-// policy and decode input (h2o's rules on probabilities, per-head
-// increments, logits, queries, key norms and KeyDiff; recent window;
-// random, whose draws are keyed by the layer-wide head; exact greedy) and
-// every layout, seeded streams run prefill, decode steps with idle
-// sequences, a new random request stream, and evict_to; after each call
-// every shard's slot table, scores and victims equal the unsharded layer's
-// heads bit for bit, and at the end so do the K/V bytes. The unsharded
-// layer is itself held to brute force in test_batched_host and
-// test_batched_prefill; this test is about the split. A shard that forgets
-// its first_kv_head draws other victims, which the random cases catch.
+// Tensor parallelism (docs/integration.md, "Tensor and pipeline
+// parallelism"): a layer's 8 KV heads split 1, 2, 4 and 8 ways, each shard
+// an independent batched policy over its heads (with their whole query
+// groups) and its own part of the inputs, must decide what the unsharded
+// layer decides. For every policy and decode input (h2o's rules on
+// probabilities, per-head increments, logits, queries, key norms and
+// KeyDiff; recent window; random, whose draws are keyed by the layer-wide
+// head; exact greedy) and every layout, seeded streams run prefill, decode
+// steps with idle sequences, a new random request stream, and evict_to;
+// after each call every shard's slot table, scores and victims equal the
+// unsharded layer's heads bit for bit, and at the end so do the K/V bytes.
+// The unsharded layer is itself held to brute force in test_batched_host
+// and test_batched_prefill; this test is about the split. A shard that
+// forgets its first_kv_head draws other victims, which the random cases
+// catch.
 #include <doctest/doctest.h>
 
-#include <cstdint>
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <random>
 #include <type_traits>

@@ -35,6 +35,17 @@ Decode steps feed the policy the step's attention probabilities, or, with
 ``scores="key_norms"`` / ``"key_diff"`` (h2o with decay 0,
 :meth:`kvevict.H2OConfig.key_norm`), nothing but the cached keys.
 
+After the prompt, ``after_prompt="evict"`` (default) holds the budget:
+each new token enters and one token per head leaves. ``after_prompt="grow"``
+is kvpress's protocol: the prompt (a context) is compressed, then later
+tokens (a question and the answer) join the kept rows without eviction, any
+number per forward, so the cache grows by their own tokens::
+
+    cache = kvevict.hf.KVEvictCache(config, after_prompt="grow")
+    model(context_ids, **kvevict.hf.generate_kwargs(cache))                  # compressed
+    model.generate(torch.cat([context_ids, question_ids], 1), max_new_tokens=32,
+                   **kvevict.hf.generate_kwargs(cache))                        # the question and answer grow it
+
 Beam search and several sequences per prompt (``num_beams``,
 ``num_return_sequences``) work: the cache's ``reorder_cache``,
 ``batch_repeat_interleave`` and ``batch_select_indices`` fork each layer's
@@ -71,6 +82,8 @@ from .policy import BatchedPolicy
 ATTENTION = "kvevict"
 PromptCompression = Literal["prefill", "snapkv", "key_norms", "key_diff", "evict_to"]
 DecodeScores = Literal["attention", "key_norms", "key_diff"]
+AfterPrompt = Literal["evict", "grow"]
+_AFTER_PROMPT = ("evict", "grow")
 _PROMPT_MODES = ("prefill", "snapkv", "key_norms", "key_diff", "evict_to")
 _SCORES = ("attention", "key_norms", "key_diff")
 
@@ -120,6 +133,8 @@ class KVEvictLayer(CacheLayerMixin):
             )
         if self.policy is None:
             return self._start_prompt(key_states, value_states)
+        if self.cache.after_prompt == "grow":
+            return self._grow(key_states, value_states)
         if q_len != 1:
             raise NotImplementedError(
                 f"kvevict.hf: layer {self.layer_idx} got {q_len} new tokens after the prompt; the cache takes one "
@@ -148,6 +163,8 @@ class KVEvictLayer(CacheLayerMixin):
         q_len = query.shape[0] if isinstance(query, torch.Tensor) else int(query)
         if self.policy is None:
             return q_len, 0
+        if self.cache.after_prompt == "grow":
+            return self.keys.shape[2] + q_len, 0
         return min(self.seen + q_len, self.policy.budget + 1), 0
 
     def get_max_length(self) -> int:
@@ -211,9 +228,20 @@ class KVEvictLayer(CacheLayerMixin):
         table = torch.full((idx.numel(), self._table.shape[1]), -1, dtype=torch.int32, device=self._table.device)
         table[:, 0] = torch.arange(idx.numel(), dtype=torch.int32, device=table.device)
         self._table = table
-        self._view = CacheView.paged(self.keys, self.values, table, order="hnd")
+        grow = self.cache.after_prompt == "grow"
+        self._view = None if grow else CacheView.paged(self.keys, self.values, table, order="hnd")
         if self.cache.record:
             self.records.append({"kind": "select", "indices": idx.cpu()})
+
+    def _grow(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        """after_prompt="grow": the tokens after the prompt join the kept
+        rows, none evicted (kvpress's protocol); any number per forward,
+        causal among themselves (the attention function masks them)."""
+        self.keys = torch.cat([self.keys, key_states], dim=2)
+        self.values = torch.cat([self.values, value_states], dim=2)
+        self.seen += key_states.shape[2]
+        self.keys._kvevict_layer = self
+        return self.keys, self.values
 
     # ---- the prompt -------------------------------------------------------------------
 
@@ -298,6 +326,10 @@ class KVEvictLayer(CacheLayerMixin):
         self._table = table
         self._view = CacheView.paged(self.keys, self.values, table, order="hnd")
         self._prompt_pending = False
+        if self.cache.after_prompt == "grow":  # the kept rows, slots [0, kept) of every head, and nothing more
+            kept = min(L, policy.budget)
+            self.keys, self.values = self.keys[:, :, :kept].clone(), self.values[:, :, :kept].clone()
+            self._view = None
 
     # ---- a decode step, from the attention function ------------------------------------
 
@@ -339,6 +371,12 @@ class KVEvictCache(Cache):
         record: keep, per layer, what each policy was fed (the prompt's
             column sums and keys, each step's probabilities and new key row,
             on the CPU), for tests and analysis.
+        after_prompt: ``"evict"`` (default) holds the budget: every later
+            token enters the cache and one token per head leaves, by the
+            policy. ``"grow"`` is kvpress's protocol: the prompt is
+            compressed to the budget, then later tokens (a question, the
+            answer) join the kept rows and none is evicted, any number per
+            forward.
     """
 
     def __init__(
@@ -350,6 +388,7 @@ class KVEvictCache(Cache):
         snap: Optional[SnapKV] = None,
         max_length: Optional[int] = None,
         record: bool = False,
+        after_prompt: AfterPrompt = "evict",
     ) -> None:
         super().__init__(layers=[])
         self.config = config
@@ -389,6 +428,16 @@ class KVEvictCache(Cache):
         self.prompt_compression = prompt_compression
         self.max_length = max_length
         self.record = record
+        if after_prompt not in _AFTER_PROMPT:
+            raise _ext.InvalidArgument(
+                f"kvevict.hf: argument 'after_prompt' = {after_prompt!r} is not one of {', '.join(_AFTER_PROMPT)}"
+            )
+        if after_prompt == "grow" and scores != "attention":
+            raise _ext.InvalidArgument(
+                f"kvevict.hf: after_prompt='grow' evicts nothing after the prompt, so decode-time scores ({scores!r}) "
+                "do not apply; choose the prompt's rule with prompt_compression"
+            )
+        self.after_prompt = after_prompt
 
     def _capacity_for_prompt(self, L: int) -> int:
         # The state's capacity covers the prompt (whole pages of budget + 1
@@ -527,6 +576,15 @@ def kvevict_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
         window_probs = torch.cat(window, dim=2).contiguous() if window else None
         layer._finish_prompt(sums, window_probs, last_probs, query[:, :, -1], lse, scale)
         return out, None
+    if layer.cache.after_prompt == "grow":
+        # The new rows are the last q_len: row i sees the kept rows and new rows [0, i].
+        S = key.shape[2]
+        mask = None
+        if q_len > 1:
+            mask = torch.full((q_len, S), torch.finfo(query.dtype).min, dtype=query.dtype, device=query.device)
+            mask = mask.triu(S - q_len + 1)
+        out, probs, _, _ = _eager(module, query, key, value, mask, scaling, dropout)
+        return out, probs
     if q_len != 1:
         raise NotImplementedError("kvevict.hf: one token per forward after the prompt")
     out, probs, w, p32 = _eager(module, query, key, value, None, scaling, dropout)

@@ -137,3 +137,49 @@ def test_the_batch_grows_and_shrinks_through_the_cache(tiny):
     with torch.no_grad():
         model(step, use_cache=True, **kvhf.generate_kwargs(cache))  # cache= or past_key_values=, by version
     assert cache.get_seq_length() == PROMPT + NEW_TOKENS
+
+
+def test_after_prompt_grow_keeps_the_compressed_context_and_grows_by_the_question_and_answer(tiny):
+    """kvpress's protocol: the context is compressed to the budget, then the
+    question (one forward of several tokens) and the answer join the kept
+    rows without eviction. The tokens equal those of transformers' own
+    DynamicCache holding the same kept rows, fed the question one token at
+    a time with eager attention."""
+    model, ids = tiny
+    B, question_len = ids.shape[0], 8
+    context = ids[:, : PROMPT - question_len]
+    L = context.shape[1]
+    config = kv.H2OConfig.from_ratios(L, 0.1, 0.1)
+    cache = kvhf.KVEvictCache(config, after_prompt="grow")
+    model.set_attn_implementation("kvevict")
+    with torch.no_grad():
+        model(context, use_cache=True, **kvhf.generate_kwargs(cache))
+    kept = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+    assert all(k.shape[2] == config.budget for k, _ in kept) and config.budget < L
+    got = generate(model, ids, cache)[:, PROMPT:]
+    assert all(layer.keys.shape[2] == config.budget + question_len + NEW_TOKENS - 1 for layer in cache.layers)
+    assert cache.get_seq_length() == PROMPT + NEW_TOKENS - 1
+
+    ref = transformers.DynamicCache()
+    for i, (k, v) in enumerate(kept):
+        ref.update(k, v, i)
+    model.set_attn_implementation("eager")
+    position, want, token = L, [], None
+    with torch.no_grad():
+        for t in range(question_len + NEW_TOKENS - 1):
+            step = ids[:, PROMPT - question_len + t][:, None] if t < question_len else token[:, None]
+            positions = torch.full((B, 1), position, dtype=torch.long, device=ids.device)
+            logits = model(step, position_ids=positions, use_cache=True, **kvhf.generate_kwargs(ref)).logits
+            position += 1
+            if t >= question_len - 1:
+                token = logits[:, -1].argmax(-1)
+                want.append(token)
+    assert torch.equal(got, torch.stack(want, dim=1))
+
+
+def test_after_prompt_is_checked():
+    config = kv.H2OConfig.key_norm(4, 4)
+    with pytest.raises(kv.InvalidArgument, match="argument 'after_prompt' = 'keep'"):
+        kvhf.KVEvictCache(config, after_prompt="keep")
+    with pytest.raises(kv.InvalidArgument, match="after_prompt='grow' evicts nothing after the prompt"):
+        kvhf.KVEvictCache(config, scores="key_norms", after_prompt="grow")

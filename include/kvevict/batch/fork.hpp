@@ -3,20 +3,22 @@
 // the same state, or of a state of another batch size (docs/semantics.md,
 // "Forking sequences"): parallel sampling forks a prompt into several
 // sequences, beam search reorders its beams every step, and a batch grows
-// or shrinks by copying its sequences into a state of the new size. Entry i of an active set names a destination, and
-// sources[i] the sequence it copies: its slot table, both score buffers,
-// KeyDiff anchors and exact_greedy's history, its length and flags. Every
-// source is read as it was before the call, so a sequence may be both a
-// source and a destination (a beam permutation), and one source may have
-// many destinations. random's destination takes a new request stream:
+// or shrinks by copying its sequences into a state of the new size.
+//
+// Entry i of an active set names a destination, and sources[i] the
+// sequence it copies: its slot table, both score buffers, KeyDiff anchors,
+// exact_greedy's history, its length and flags. Every source is read as it
+// was before the call, so a sequence may be both a source and a
+// destination (a beam permutation), and one source may have many
+// destinations. random's destination takes a new request stream:
 // streams[i], else the destination index (as reset). The engine copies or
 // shares the K/V pages itself.
 //
 // The copy of one (sequence, head) is written once here (copy_head) for
-// the host and the CUDA kernels (cuda/fork.cuh); both go through a
-// snapshot of the sources: a state of `entries` sequences with the same
-// parts and no workspace, carved from host memory here and from the
-// caller's temporary storage on CUDA.
+// the host and the CUDA kernels (cuda/fork.cuh). Within one state both go
+// through a snapshot of the sources (a state of `entries` sequences with
+// the same parts and no workspace: host memory here, the caller's
+// workspace on CUDA); across two states they copy directly.
 #include <cstddef>
 #include <cstdint>
 #include <vector>

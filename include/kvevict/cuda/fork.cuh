@@ -3,10 +3,11 @@
 // Within one state, two launches over the entries: the first copies every
 // source into a snapshot in the caller's workspace, the second the
 // snapshot into the destinations, so a sequence may be a source and a
-// destination of one call. Across states, one launch copies directly. Both copy with batch/fork.hpp's copy_head, the host's own. A bad
-// entry (a destination outside [0, num_seqs) or repeated, a source outside
-// it, a stream above max_random_stream) leaves its destination unchanged
-// and sets the status word; the other entries fork.
+// destination of one call. Across states, one launch copies directly.
+// Both copy with batch/fork.hpp's copy_head, the host's own. A bad entry (a
+// destination outside [0, num_seqs) or repeated, a source outside it, a
+// stream above max_random_stream) leaves its destination unchanged and sets
+// the status word; the other entries fork.
 #include <cuda_runtime.h>
 
 #include <cstddef>
