@@ -90,7 +90,8 @@ def main():
     ids = tok(open(args.text, encoding="utf-8").read()[:200000], add_special_tokens=False).input_ids
     depths = [float(d) for d in args.depths.split(",")]
     rules = {
-        "key_diff": lambda budget: dict(config=kv.H2OConfig.key_norm(budget // 2, budget - budget // 2),
+        # KeyDiff with 4 attention sinks (StreamingLLM's), the rest half by the rule, half the newest.
+        "key_diff": lambda budget: dict(config=kv.H2OConfig.key_norm((budget - 4) // 2, (budget - 4) - (budget - 4) // 2, 4),
                                         prompt_compression="key_diff"),
         "h2o": lambda budget: dict(config=kv.H2OConfig(budget // 2, budget - budget // 2)),
     }  # fmt: skip

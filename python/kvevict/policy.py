@@ -234,14 +234,17 @@ class BatchedPolicy:
         if self._cuda:
             self._unchecked.add("fork")
         s = self._stream(stream)
-        args = (self._desc, for_ext(self.state), source._desc, for_ext(source.state),
-                for_ext(self._array(sources, np.int32)), for_ext(self._active(destinations)),
-                for_ext(self._array(streams, np.uint64)))
+        sources, destinations = self._array(sources, np.int32), self._active(destinations)
+        streams = self._array(streams, np.uint64)
+
+        def call(workspace: Any) -> int:  # the extension's arguments anew each call (a DLPack capsule is used once)
+            return _ext.fork_from(self._desc, for_ext(self.state), source._desc, for_ext(source.state),
+                                  for_ext(sources), for_ext(destinations), for_ext(streams), for_ext(workspace), s)
+
         workspace = None
-        if self._cuda:
-            n = _ext.fork_from(*args, None, s)
-            workspace = self._torch.empty(max(n, 1), dtype=self._torch.uint8, device=self.device)
-        _ext.fork_from(*args, for_ext(workspace), s)
+        if self._cuda:  # the size query, then the call with its workspace
+            workspace = self._torch.empty(max(call(None), 1), dtype=self._torch.uint8, device=self.device)
+        call(workspace)
 
     def append(
         self,
