@@ -279,7 +279,23 @@ TEST_CASE("fork: bad entries are refused by name and change nothing") {
   CHECK_THROWS_WITH_AS(p.fork(active_set::of_list(two, 2), bad_source), doctest::Contains("argument 'sources[1]' = -1"), out_of_range);
   CHECK_THROWS_WITH_AS(p.fork(active_set::of_list(two, 2), sources, too_large), doctest::Contains("argument 'streams[1]'"), out_of_range);
   CHECK_THROWS_WITH_AS(p.fork(active_set::of_list(two, 2), nullptr), doctest::Contains("argument 'sources'"), invalid_argument);
+  // Destinations are checked before sources, as CUDA reports them.
+  const std::int32_t twice_two[] = {2, 2}, far_source[] = {99, 0};
+  CHECK_THROWS_WITH_AS(p.fork(active_set::of_list(twice_two, 2), far_source),
+                       doctest::Contains("argument 'destinations.list[1]' = 2 repeats"), invalid_argument);
   CHECK(bytes_of(p.state(), bytes) == before);
+
+  // A hand-edited view without the arrays its parts need is refused, not read.
+  batched_policy<exact_greedy_policy> greedy(policy_shape{3, 2, 2, 8}, exact_greedy_config{4, 0, 0}, history_extent{16, 4});
+  batch_state_view no_rows = greedy.state();
+  no_rows.history.rows = nullptr;
+  CHECK_THROWS_WITH_AS(batched_fork(no_rows, active_set::of_list(two, 2), sources), doctest::Contains("argument 'src.history'"),
+                       invalid_argument);
+  batched_policy<h2o_policy> anchored(policy_shape{3, 2, 2, 8}, key_norm_config(4), key_diff_extent(4));
+  batch_state_view no_units = anchored.state();
+  no_units.anchors.units = nullptr;
+  CHECK_THROWS_WITH_AS(batched_fork(anchored.state(), no_units, active_set::of_list(two, 2), sources),
+                       doctest::Contains("argument 'dst.anchors'"), invalid_argument);
 
   // Across states: the policy, heads and capacity must match, any batch size.
   batched_policy<random_policy> wider(policy_shape{3, 2, 2, 9}, c), other(policy_shape{3, 2, 2, 8}, random_config{4, 0, 1, 10});

@@ -103,11 +103,24 @@ KVEVICT_HOST_DEVICE inline bool same_state(const batch_state_view& from, const b
   return from.slots.positions == to.slots.positions;
 }
 
+/// The arrays copy_head reads and writes beside the slot table: a state
+/// that keeps history or anchors must have all of their arrays.
+inline void require_fork_parts(const site& w, const char* which, const batch_state_view& st) {
+  const history_view& h = st.history;
+  if (h.keys && (!h.values || !h.rows))
+    fail<invalid_argument>(w, concat(which, ".history"), "has keys but no values or rows");
+  const key_anchor_view& a = st.anchors;
+  if (a.sums && (!a.units || !a.upto))
+    fail<invalid_argument>(w, concat(which, ".anchors"), "has sums but no units or upto");
+}
+
 /// A fork's checks that need no entry: both states usable, and `to` able to
 /// continue `from`'s sequences (the policy, heads, capacity and parts).
 inline void require_fork_states(const site& w, const batch_state_view& from, const batch_state_view& to,
                                 const active_set& destinations) {
   require_state(w, from);
+  require_fork_parts(w, "src", from);
+  require_fork_parts(w, "dst", to);
   if (!same_state(from, to)) {
     require_state(w, to);
     require_same_policy(w, from, to);
@@ -134,15 +147,17 @@ inline void batched_fork(const batch_state_view& from, const batch_state_view& t
   detail::require_fork_states(w, from, to, destinations);
   const std::int32_t entries = destinations.entries(to.num_seqs());
   if (entries > 0) detail::require_not_null(w, "sources", sources);
-  for (std::int32_t i = 0; i < entries; ++i) {
+  for (std::int32_t i = 0; i < entries; ++i) {  // the destinations first, as CUDA reports them
     const std::int32_t d = destinations.sequence(i, to.num_seqs());
     if (d == -2)
       detail::fail<out_of_range>(w, detail::concat("destinations.list[", i, "]"), "= ", destinations.list[i],
                                  " is outside [0, num_seqs = ", to.num_seqs(), ")");
-    if (d < 0) continue;
-    if (detail::check_entry(destinations, i, to.num_seqs()).word != batch_status_clear)
+    if (d >= 0 && detail::check_entry(destinations, i, to.num_seqs()).word != batch_status_clear)
       detail::fail<invalid_argument>(w, detail::concat("destinations.list[", i, "]"), "= ", d,
                                      " repeats an earlier entry: a sequence can be the copy of one source only");
+  }
+  for (std::int32_t i = 0; i < entries; ++i) {
+    if (destinations.sequence(i, to.num_seqs()) < 0) continue;
     if (sources[i] < 0 || sources[i] >= from.num_seqs())
       detail::fail<out_of_range>(w, detail::concat("sources[", i, "]"), "= ", sources[i],
                                  " is outside [0, num_seqs = ", from.num_seqs(), ")");

@@ -3,7 +3,8 @@
 // It allocates its state and status word with cudaMalloc and offers the same
 // calls as the host specialisation (kvevict/batch/batched_policy.hpp), so an
 // engine switches device with one template argument. Calls take a stream,
-// never synchronise and never allocate; launch failures throw cuda_error.
+// never synchronise and never allocate (but fork, whose snapshot comes from
+// the stream-ordered pool); launch failures throw cuda_error.
 // Inputs, active lists and victims are device memory. Only status_word()
 // and check() synchronise (the stream they are given).
 #include <cuda_runtime.h>
@@ -103,7 +104,13 @@ class batched_policy<Policy, device::cuda> {
     kvevict::detail::require_not_null(kvevict::detail::site{"cuda", "fork"}, "sources", sources);
     void* workspace = nullptr;
     gpu::throw_on_error(cudaMallocAsync(&workspace, bytes, stream), "fork (workspace)");
-    const cudaError_t e = gpu::batched_fork(workspace, bytes, state_, destinations, sources, streams, status_, stream);
+    cudaError_t e = cudaSuccess;
+    try {  // the size query passed the same checks: nothing should throw here, but the workspace goes back
+      e = gpu::batched_fork(workspace, bytes, state_, destinations, sources, streams, status_, stream);
+    } catch (...) {
+      cudaFreeAsync(workspace, stream);
+      throw;
+    }
     const cudaError_t freed = cudaFreeAsync(workspace, stream);
     gpu::throw_on_error(e, "fork");
     gpu::throw_on_error(freed, "fork (workspace)");

@@ -92,7 +92,9 @@ inline cudaError_t batched_fork(void* workspace, std::size_t& workspace_bytes, c
   const bool within = kvevict::detail::same_state(from, to);
   std::size_t snapshot_bytes = 0;
   if (within) kvevict::detail::carve_fork_snapshot(nullptr, from, entries, w, &snapshot_bytes);
-  const std::size_t needed = snapshot_bytes + static_cast<std::size_t>(entries > 0 ? entries : 1);
+  // Within a state: the snapshot, then a flag per entry; across states a byte
+  // (a zero-byte workspace could not be told from the size query).
+  const std::size_t needed = within ? snapshot_bytes + static_cast<std::size_t>(entries > 0 ? entries : 1) : 1;
   if (workspace == nullptr) {
     workspace_bytes = needed;
     return cudaSuccess;
