@@ -51,7 +51,7 @@ KVEVICT_HOST_DEVICE inline float dequantize(T x, float scale) noexcept {
   }
 }
 
-// Round-to-nearest-even for the 16-bit types. A single template with
+// Round-to-nearest-even for the 16-bit and fp8 types. A single template with
 // `if constexpr` (rather than explicit specialisations) keeps one declaration
 // for nvcc and gives a readable error for unsupported types.
 template <class T>
