@@ -52,21 +52,30 @@ void init(const Descriptor& desc, nb::handle memory, std::uintptr_t stream) {
                        cuda::init(st.view, st.status, stream_of(stream)));
 }
 
+/// A 1-D array with one element per entry of `active` (`per`: what an
+/// entry is called in the message), on the state's device, contiguous.
+in_array per_entry_array(nb::handle obj, const state_ref& st, const kvevict::active_set& active, const char* call,
+                         const char* arg, const char* meaning, const char* per) {
+  const in_array a = as_array<in_array>(obj, call, arg);
+  require_device(a, st.dev, call, arg);
+  require_rank(a, 1, call, arg, meaning);
+  require_contiguous(a, call, arg);
+  const std::int32_t entries = active.entries(st.view.num_seqs());
+  if (a.shape(0) != std::size_t(entries))
+    fail_arg(call, arg, concat("has ", a.shape(0), " entries, expected one per ", per, " (", entries, ")"));
+  return a;
+}
+
 /// Random's request streams: one uint64 (or int64) per entry of `active`,
 /// or null. int64 streams are read as uint64: a negative one reads above
 /// max_random_stream and is refused by the library.
 const std::uint64_t* parse_streams(nb::handle obj, const state_ref& st, const kvevict::active_set& active,
                                    const char* call) {
   if (obj.is_none()) return nullptr;
-  const in_array s = as_array<in_array>(obj, call, "streams");
-  require_device(s, st.dev, call, "streams");
-  require_rank(s, 1, call, "streams", "one request stream per active entry");
-  require_contiguous(s, call, "streams");
+  const in_array s =
+      per_entry_array(obj, st, active, call, "streams", "one request stream per active entry", "active entry");
   if (!is(s.dtype(), nb::dlpack::dtype_code::UInt, 64) && !is(s.dtype(), nb::dlpack::dtype_code::Int, 64))
     fail_arg(call, "streams", concat("has dtype ", dtype_name(s.dtype()), ", expected uint64 or int64"));
-  if (s.shape(0) != std::size_t(active.entries(st.view.num_seqs())))
-    fail_arg(call, "streams", concat("has ", s.shape(0), " entries, expected one per active entry (",
-                                     active.entries(st.view.num_seqs()), ")"));
   return static_cast<const std::uint64_t*>(s.data());
 }
 
@@ -89,15 +98,10 @@ std::size_t run_fork(const char* call, const state_ref& from, const state_ref& t
                      std::uintptr_t stream) {
   if (!(from.dev == to.dev)) fail_arg(call, "source", "is a state on another device than the destination's");
   const kvevict::active_set destinations = parse_active(destinations_obj, to, call, "destinations");
-  const in_array s = as_array<in_array>(sources_obj, call, "sources");
-  require_device(s, to.dev, call, "sources");
-  require_rank(s, 1, call, "sources", "the sequence each destination copies");
-  require_contiguous(s, call, "sources");
+  const in_array s = per_entry_array(sources_obj, to, destinations, call, "sources",
+                                     "the sequence each destination copies", "destination entry");
   if (!is(s.dtype(), nb::dlpack::dtype_code::Int, 32))
     fail_arg(call, "sources", concat("has dtype ", dtype_name(s.dtype()), ", expected int32"));
-  if (s.shape(0) != std::size_t(destinations.entries(to.view.num_seqs())))
-    fail_arg(call, "sources", concat("has ", s.shape(0), " entries, expected one per destination entry (",
-                                     destinations.entries(to.view.num_seqs()), ")"));
   const auto* sources = static_cast<const std::int32_t*>(s.data());
   const std::uint64_t* streams = parse_streams(streams_obj, to, destinations, call);
 #ifdef KVEVICT_PY_CUDA

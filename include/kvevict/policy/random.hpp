@@ -37,8 +37,7 @@ class random_policy : public policy_base<random_policy> {
   void reset(std::int32_t b, std::uint64_t stream) {
     const detail::site w = where("reset");
     detail::require_index(w, "sequence", b, shape_.num_seqs);
-    if (stream > max_random_stream)
-      detail::fail<out_of_range>(w, "stream", "= ", stream, " exceeds max_random_stream = 2^63 - 1");
+    require_stream(w, stream);
     reset_sequence(b, &stream);
   }
 
@@ -46,8 +45,7 @@ class random_policy : public policy_base<random_policy> {
   /// fork, the copy's draws keyed by `stream` (at most max_random_stream)
   /// instead of the destination index.
   void fork(std::int32_t source, std::int32_t destination, std::uint64_t stream) {
-    if (stream > max_random_stream)
-      detail::fail<out_of_range>(where("fork"), "stream", "= ", stream, " exceeds max_random_stream = 2^63 - 1");
+    require_stream(where("fork"), stream);
     fork_sequence(source, destination, &stream);
   }
 
@@ -60,6 +58,11 @@ class random_policy : public policy_base<random_policy> {
   }
 
  private:
+  static void require_stream(const detail::site& w, std::uint64_t stream) {
+    if (stream > max_random_stream)
+      detail::fail<out_of_range>(w, "stream", "= ", stream, " exceeds max_random_stream = 2^63 - 1");
+  }
+
   random_config config_;
 };
 
