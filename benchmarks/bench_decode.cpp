@@ -167,12 +167,17 @@ void batched_step(benchmark::State& state, scenario sc, input_kind kind, distrib
 // ---- the queries path: logits recomputed from q and the cached keys ----
 
 // Bytes: the cached keys of every occupied slot (the dominant read), the
-// queries, and the per-slot state.
+// queries, and the per-slot state. An fp8 cache (codes with a K scale of
+// 0.5 per layer, as an engine's) takes bf16 queries.
+template <class T>
+using query_type_t = std::conditional_t<is_fp8_v<T>, bfloat16, T>;
+
 template <class T>
 struct queries_fixture {
+  using Q = query_type_t<T>;
   scenario sc;
   kv_cache<T, strided_layout> cache;
-  std::vector<T> q;
+  std::vector<Q> q;
   std::vector<float> lse;
   std::int64_t bytes;
 
@@ -186,21 +191,22 @@ struct queries_fixture {
           std::copy_n(rows.data() + std::size_t(j) * s.head_dim, s.head_dim, view.k_row(b, h, j));
           std::copy_n(rows.data() + std::size_t(j) * s.head_dim, s.head_dim, view.v_row(b, h, j));
         }
-    q = kvbench::random_rows<T>(std::size_t(s.seqs) * s.q_heads() * s.head_dim, 1.0f, 5);
+    if constexpr (is_fp8_v<T>) cache.set_scales({0.5f}, {0.5f});
+    q = kvbench::random_rows<Q>(std::size_t(s.seqs) * s.q_heads() * s.head_dim, 1.0f, 5);
     // |q . k| * scale <= sqrt(head_dim) with entries in [-1, 1]: an LSE above
     // that keeps every recomputed probability in (0, 1].
     lse.assign(std::size_t(s.seqs) * s.q_heads(), std::sqrt(float(s.head_dim)) + 1.0f);
     bytes = s.slots_total() * (std::int64_t(s.head_dim) * std::int64_t(sizeof(T)) + kStateBytesPerSlot) +
-            std::int64_t(q.size() * sizeof(T) + lse.size() * sizeof(float));
+            std::int64_t(q.size() * sizeof(Q) + lse.size() * sizeof(float));
   }
   float scale() const { return 1.0f / std::sqrt(float(sc.head_dim)); }
-  decode_queries<T> of(std::int32_t b) const {
-    return {make_tensor_view<const T>(q.data() + std::size_t(b) * sc.q_heads() * sc.head_dim, sc.q_heads(),
+  decode_queries<Q> of(std::int32_t b) const {
+    return {make_tensor_view<const Q>(q.data() + std::size_t(b) * sc.q_heads() * sc.head_dim, sc.q_heads(),
                                       sc.head_dim),
             make_tensor_view<const float>(lse.data() + std::size_t(b) * sc.q_heads(), sc.q_heads()), scale()};
   }
-  batch_queries<T> batch() const {
-    return {make_tensor_view<const T>(q.data(), sc.seqs, sc.q_heads(), sc.head_dim),
+  batch_queries<Q> batch() const {
+    return {make_tensor_view<const Q>(q.data(), sc.seqs, sc.q_heads(), sc.head_dim),
             make_tensor_view<const float>(lse.data(), sc.seqs, sc.q_heads()), scale()};
   }
 };
@@ -520,6 +526,7 @@ const int registered = [] {
       register_queries<float>(sc);
       register_queries<half>(sc);
       register_queries<bfloat16>(sc);
+      register_queries<fp8_e4m3>(sc);  // every key read as code x scale: the bf16 rows' twins
     }
     // exact_greedy evaluates every candidate's effect on the attention
     // output (O(N^2 head_dim) a step): at the latency scenario only.

@@ -325,10 +325,23 @@ void register_dtype(const scenario& sc, const kvbench::keep_fraction& keep) {
       ->Unit(unit);
 }
 
+/// KeyDiff over an fp8 cache (every key read as code x scale; kv_cache's
+/// scale of 1): the bf16 rows' twins.
+void register_fp8_key_diff(const scenario& sc, const kvbench::keep_fraction& keep) {
+  const auto name = [&](const char* method) {
+    return kvbench::bench_name("prefill", method, "keys", sc.name, keep.name, "powerlaw",
+                               kvbench::dtype_name<fp8_e4m3>());
+  };
+  const auto unit = sc.slots_total() > 1'000'000 ? benchmark::kMillisecond : benchmark::kMicrosecond;
+  benchmark::RegisterBenchmark(name("key_diff").c_str(), per_sequence_key_diff<fp8_e4m3>, sc, keep)->Unit(unit);
+  benchmark::RegisterBenchmark(name("key_diff_batched").c_str(), batched_key_diff<fp8_e4m3>, sc, keep)->Unit(unit);
+}
+
 const int registered = [] {
   for (const scenario& sc : kvbench::selected_scenarios())
     for (const kvbench::keep_fraction& keep : kvbench::kKeeps) {
       register_dtype<bfloat16>(sc, keep);
+      register_fp8_key_diff(sc, keep);
       if (std::string(sc.name) == "S5") {
         register_dtype<float>(sc, keep);
         register_dtype<half>(sc, keep);

@@ -1,9 +1,9 @@
 // The batched host backend against the brute-force reference
 // (support/bruteforce_reference.hpp, the rules of docs/policies.md from
 // scratch): on seeded streams for every policy x input kind x dtype (fp8
-// too, for the inputs that do not read keys) x layout x GQA group {1, 4,
-// 8}, with ragged batches (idle sequences, active lists and flags) and
-// random's request streams, every step must end with
+// included, with per-head scales) x layout x GQA group {1, 4, 8}, with
+// ragged batches (idle sequences, active lists and flags) and random's
+// request streams, every step must end with
 // the reference's kept positions, victims, bitwise the same scores and the
 // same K/V bytes. Each step's score increment is computed here from the
 // input's definition (docs/semantics.md, "Scores"); for logits and queries
@@ -72,11 +72,8 @@ void observe_batched(batched_policy<Policy>& p, const kvtest::batch_step<T>& st,
   const auto lse = make_tensor_view<const float>(st.lse.data(), B, Hq);
   const active_set active = st.active_set();
   if (kind == input_kind::queries) {
-    // Queries read the keys: fp8 keys need their scales, which this path
-    // does not take yet (a compile-time refusal); run_policy never asks.
-    if constexpr (!is_fp8_v<T>)
-      p.observe_evict(batch_queries<float>{make_tensor_view<const float>(st.q.data(), B, Hq, D), lse, st.scale}, view,
-                      active, victims);
+    p.observe_evict(batch_queries<float>{make_tensor_view<const float>(st.q.data(), B, Hq, D), lse, st.scale}, view,
+                    active, victims);
   } else if (kind == input_kind::probs) {
     p.observe_evict(batch_probs{make_tensor_view<const float>(st.probs.data(), B, Hq, W)}, active, victims);
   } else if (kind == input_kind::head_scores) {
@@ -92,7 +89,7 @@ void observe_batched(batched_policy<Policy>& p, const kvtest::batch_step<T>& st,
 /// fold of the query heads' probabilities, or the head's own increment.
 template <class T>
 float increment(const kvtest::batch_step<T>& st, const kvtest::batch_dims& dm, input_kind kind, group_reduce reduce,
-                std::int32_t b, std::int32_t h, std::int32_t slot, const std::vector<T>& key) {
+                std::int32_t b, std::int32_t h, std::int32_t slot, const std::vector<T>& key, float key_scale) {
   const std::int32_t Hq = dm.q_heads(), W = dm.width(), D = dm.head_dim, g = dm.group;
   if (kind == input_kind::head_scores) return st.increments[(std::size_t(b) * dm.heads + h) * W + slot];
   std::vector<float> xs;
@@ -102,8 +99,8 @@ float increment(const kvtest::batch_step<T>& st, const kvtest::batch_dims& dm, i
       xs.push_back(st.probs[bq * W + slot]);
     } else if (kind == input_kind::logits) {
       xs.push_back(probability_from_logit(st.logits[bq * W + slot], st.scale, st.lse[bq], lse_base::natural));
-    } else if constexpr (!is_fp8_v<T>) {
-      const float logit = attention_logit(st.q.data() + bq * D, 1, key.data(), D);
+    } else {  // an fp8 key is code x its head's scale (support/caches.hpp)
+      const float logit = attention_logit(st.q.data() + bq * D, 1, key.data(), D, key_scale);
       xs.push_back(probability_from_logit(logit, st.scale, st.lse[bq], lse_base::natural));
     }
   }
@@ -178,7 +175,7 @@ void run_stream(std::uint32_t seed, layout_kind layout, std::int32_t group, inpu
             const std::int32_t slot = slot_of(b, h, p);
             REQUIRE(slot >= 0);
             const volatile float decayed = decay * tok.score;
-            tok.score = decayed + increment(st, dm, kind, reduce, b, h, slot, tok.k);
+            tok.score = decayed + increment(st, dm, kind, reduce, b, h, slot, tok.k, view.k_scale(h));
           }
       }
       std::vector<std::int32_t> got(std::size_t(B) * H, -1);
@@ -248,10 +245,7 @@ void run_policy(const char* name, int seeds_per_combo) {
           CAPTURE(std::string(kvtest::name(kind)));
           CAPTURE(std::string(kvtest::name(layout)));
           CAPTURE(group);
-          // fp8 caches (the codes moved as bytes) with every input that does
-          // not read the keys.
-          const int dtypes = kind == input_kind::queries ? 3 : 5;
-          switch (seed % dtypes) {
+          switch (seed % 5) {
             case 0: run_stream<Policy, float>(seed, layout, group, kind, tot); break;
             case 1: run_stream<Policy, half>(seed, layout, group, kind, tot); break;
             case 2: run_stream<Policy, bfloat16>(seed, layout, group, kind, tot); break;

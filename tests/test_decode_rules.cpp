@@ -35,13 +35,22 @@ float tree(const std::vector<float>& v, std::size_t lo, std::size_t n) {
   return tree(v, lo, n / 2) + tree(v, lo + n / 2, n / 2);
 }
 
+// A key element's value: itself, or an fp8 code's value times the scale.
+template <class K>
+float element(K x, float scale) {
+  if constexpr (std::is_same_v<K, fp8_e4m3>) return fp8_e4m3_to_float(x) * scale;
+  else if constexpr (std::is_same_v<K, fp8_e5m2>) return fp8_e5m2_to_float(x) * scale;
+  else return to_float(x);
+}
+
 template <class Q, class K>
-float canonical_dot(const Q* q, std::int64_t q_stride, const K* k, std::int32_t d) {
-  const std::int32_t chunk = static_cast<std::int32_t>(16 / sizeof(K));
+float canonical_dot(const Q* q, std::int64_t q_stride, const K* k, std::int32_t d, float scale = 1.0f) {
+  const std::int32_t chunk = static_cast<std::int32_t>(16 / sizeof(K));  // 16 fp8 codes
   std::vector<float> sums;
   for (std::int32_t c = 0; c < d; c += chunk) {
-    float s = to_float(q[c * q_stride]) * to_float(k[c]);
-    for (std::int32_t i = c + 1; i < std::min(d, c + chunk); ++i) s += to_float(q[i * q_stride]) * to_float(k[i]);
+    float s = to_float(q[c * q_stride]) * element(k[c], scale);
+    for (std::int32_t i = c + 1; i < std::min(d, c + chunk); ++i)
+      s += to_float(q[i * q_stride]) * element(k[i], scale);
     sums.push_back(s);
   }
   std::size_t n = 1;
@@ -57,13 +66,20 @@ void check_attention_logit(std::mt19937& rng) {
     const std::int64_t stride = 1 + static_cast<std::int64_t>(rng() % 3);
     const std::vector<float> q = random_row<float>(rng, std::int32_t(d * stride), 1.0f);
     const std::vector<K> k = random_row<K>(rng, d, 1.0f);
-    const float got = attention_logit(q.data(), stride, k.data(), d);
+    const float scale = is_fp8_v<K> ? std::uniform_real_distribution<float>(0.01f, 3.0f)(rng) : 1.0f;
+    const float got = attention_logit(q.data(), stride, k.data(), d, scale);
     CAPTURE(d);
-    CHECK(got == canonical_dot(q.data(), stride, k.data(), d));
+    CAPTURE(scale);
+    CHECK(got == canonical_dot(q.data(), stride, k.data(), d, scale));
+    if constexpr (is_fp8_v<K>) {  // key norms: ||k||^2 in the codes' order, the scale on both sides
+      std::vector<float> values(k.size());
+      for (std::size_t i = 0; i < k.size(); ++i) values[i] = element(k[i], scale);
+      CHECK(key_norm_score(k.data(), d, scale) == -std::sqrt(canonical_dot(values.data(), 1, k.data(), d, scale)));
+    }
     long double exact = 0, size = 0;
     for (std::int32_t i = 0; i < d; ++i) {
-      exact += static_cast<long double>(q[std::size_t(i * stride)]) * to_float(k[std::size_t(i)]);
-      size += std::abs(static_cast<long double>(q[std::size_t(i * stride)]) * to_float(k[std::size_t(i)]));
+      exact += static_cast<long double>(q[std::size_t(i * stride)]) * element(k[std::size_t(i)], scale);
+      size += std::abs(static_cast<long double>(q[std::size_t(i * stride)]) * element(k[std::size_t(i)], scale));
     }
     CHECK(std::abs(got - exact) <= 2.0L * d * std::numeric_limits<float>::epsilon() * size);
   }
@@ -76,6 +92,8 @@ TEST_CASE("attention_logit: 16-byte chunks summed in order, then a balanced tree
   check_attention_logit<float>(rng);
   check_attention_logit<half>(rng);
   check_attention_logit<bfloat16>(rng);
+  check_attention_logit<fp8_e4m3>(rng);  // 16 codes a chunk, each code x scale
+  check_attention_logit<fp8_e5m2>(rng);
 }
 
 TEST_CASE("probability_from_logit is exp(logit * scale - lse) to float rounding, in both LSE bases") {

@@ -64,42 +64,6 @@ kvtest::batch_step<float> remapped(const kvtest::batch_step<float>& st, const st
   return r;
 }
 
-template <class T>
-void require_equal(const T* a, const T* b, std::int64_t n, const char* what) {
-  CAPTURE(what);
-  REQUIRE(std::memcmp(a, b, sizeof(T) * std::size_t(n)) == 0);
-}
-
-/// Everything sequence b carries from step to step, in states a and r.
-void require_same_sequence(const batch_state_view& a, std::int32_t b, const batch_state_view& r, std::int32_t rb) {
-  CAPTURE(b);
-  CAPTURE(rb);
-  REQUIRE(a.slots.lengths[b] == r.slots.lengths[rb]);
-  if (a.streams) REQUIRE(a.streams[b] == r.streams[rb]);
-  for (std::int32_t h = 0; h < H; ++h) {
-    CAPTURE(h);
-    const std::int64_t x = a.head_index(b, h), y = r.head_index(rb, h);
-    REQUIRE(a.slots.counts[x] == r.slots.counts[y]);
-    REQUIRE(a.slots.next_slots[x] == r.slots.next_slots[y]);
-    REQUIRE(a.appended[x] == r.appended[y]);
-    require_equal(a.slots.positions_of(b, h), r.slots.positions_of(rb, h), a.capacity(), "positions");
-    require_equal(a.scores_of(b, h), r.scores_of(rb, h), a.capacity(), "scores");
-    if (a.anchors.sums) {
-      const std::int64_t d = a.anchors.head_dim;
-      REQUIRE(a.anchors.upto[x] == r.anchors.upto[y]);
-      require_equal(a.anchors.sums + x * d, r.anchors.sums + y * d, d, "anchor sums");
-      require_equal(a.anchors.units + x * d, r.anchors.units + y * d, d, "anchor units");
-    }
-    if (a.history.keys) {
-      const std::int64_t rows = a.history.rows[x], per_head = a.history.max_tokens * a.history.head_dim;
-      REQUIRE(rows == r.history.rows[y]);
-      require_equal(a.history.keys + x * per_head, r.history.keys + y * per_head, rows * a.history.head_dim, "history keys");
-      require_equal(a.history.values + x * per_head, r.history.values + y * per_head, rows * a.history.head_dim,
-                    "history values");
-    }
-  }
-}
-
 template <class Policy>
 void run_stream(std::uint32_t seed, decode_input in, bool flags) {
   std::mt19937 rng(seed);
@@ -166,20 +130,20 @@ void run_stream(std::uint32_t seed, decode_input in, bool flags) {
         std::memcpy(cache_a.view().v_row(fork_destinations[i], h, slot), &old_v[row_at(fork_sources[i], h, slot)],
                     sizeof(float) * D);
       }
-  for (std::int32_t b = 0; b < B; ++b) require_same_sequence(a.state(), b, r.state(), b);
+  for (std::int32_t b = 0; b < B; ++b) kvtest::require_same_sequence(a.state(), b, r.state(), b);
 
   for (std::int32_t t = 0; t < after; ++t) {
     CAPTURE(t);
     const kvtest::batch_step<float> st = kvtest::draw_step<float>(rng, dm, 0.2);
     const auto [va, vr] = step(st, st);
     REQUIRE(va == vr);
-    for (std::int32_t b = 0; b < B; ++b) require_same_sequence(a.state(), b, r.state(), b);
+    for (std::int32_t b = 0; b < B; ++b) kvtest::require_same_sequence(a.state(), b, r.state(), b);
   }
   for (std::int32_t b = 0; b < B; ++b)
     for (std::int32_t h = 0; h < H; ++h)
       for (std::int32_t slot = 0; slot < capacity; ++slot) {
-        require_equal(cache_a.view().k_row(b, h, slot), cache_r.view().k_row(b, h, slot), D, "k rows");
-        require_equal(cache_a.view().v_row(b, h, slot), cache_r.view().v_row(b, h, slot), D, "v rows");
+        kvtest::require_equal(cache_a.view().k_row(b, h, slot), cache_r.view().k_row(b, h, slot), D, "k rows");
+        kvtest::require_equal(cache_a.view().v_row(b, h, slot), cache_r.view().v_row(b, h, slot), D, "v rows");
       }
   // The batch grows (transformers' batch_repeat_interleave): a state of 2B
   // sequences, 2k and 2k + 1 copies of A's k, which then live k's life.
@@ -191,7 +155,7 @@ void run_stream(std::uint32_t seed, decode_input in, bool flags) {
   for (std::int32_t j = 0; j < 2 * B; ++j) grown_streams[std::size_t(j)] = a.state().stream_of(j / 2);
   batched_fork(a.state(), grown.state(), active_set::all(), twice.data(), is_random ? grown_streams.data() : nullptr);
   for (std::int32_t j = 0; j < 2 * B; ++j) {
-    require_same_sequence(grown.state(), j, a.state(), j / 2);
+    kvtest::require_same_sequence(grown.state(), j, a.state(), j / 2);
     for (std::int32_t h = 0; h < H; ++h)
       for (std::int32_t slot = 0; slot < capacity; ++slot) {
         std::memcpy(cache_g.view().k_row(j, h, slot), cache_a.view().k_row(j / 2, h, slot), sizeof(float) * D);
@@ -212,7 +176,7 @@ void run_stream(std::uint32_t seed, decode_input in, bool flags) {
     REQUIRE(a.status_word() == batch_status_clear);
     REQUIRE(grown.status_word() == batch_status_clear);
     for (std::int32_t j = 0; j < 2 * B; ++j) {
-      require_same_sequence(grown.state(), j, a.state(), j / 2);
+      kvtest::require_same_sequence(grown.state(), j, a.state(), j / 2);
       for (std::int32_t h = 0; h < H; ++h) REQUIRE(vg[std::size_t(j * H + h)] == va[std::size_t(j / 2 * H + h)]);
     }
   }
@@ -221,8 +185,8 @@ void run_stream(std::uint32_t seed, decode_input in, bool flags) {
   batched_policy<Policy> small(policy_shape{2, H, Hq, capacity}, config, history);
   const std::uint64_t small_streams[] = {a.state().stream_of(3), a.state().stream_of(0)};
   batched_fork(a.state(), small.state(), active_set::all(), kept, is_random ? small_streams : nullptr);
-  require_same_sequence(small.state(), 0, a.state(), 3);
-  require_same_sequence(small.state(), 1, a.state(), 0);
+  kvtest::require_same_sequence(small.state(), 0, a.state(), 3);
+  kvtest::require_same_sequence(small.state(), 1, a.state(), 0);
 
   if constexpr (is_random) {  // by default a copy draws with its own index as stream
     a.fork(active_set::of_list(fork_destinations, 4), fork_sources);

@@ -173,8 +173,8 @@ TEST_CASE("KeyDiff's exact pieces: the anchor is an integer sum (any order), sco
   std::int64_t forward[4] = {}, backward[4] = {};
   for (int p = 0; p < 3; ++p)
     for (int e = 0; e < 4; ++e) {
-      forward[e] += kv::key_diff_unit(keys[p], e, kv::key_length(keys[p], 4));
-      backward[e] += kv::key_diff_unit(keys[2 - p], e, kv::key_length(keys[2 - p], 4));
+      forward[e] += kv::key_diff_unit(keys[p], e, 1.0f, kv::key_length(keys[p], 4, 1.0f));
+      backward[e] += kv::key_diff_unit(keys[2 - p], e, 1.0f, kv::key_length(keys[2 - p], 4, 1.0f));
     }
   for (int e = 0; e < 4; ++e) CHECK(forward[e] == backward[e]);
   CHECK(forward[0] == 0);  // (0.6, 0.8) and (-0.6, -0.8) cancel exactly
@@ -184,12 +184,12 @@ TEST_CASE("KeyDiff's exact pieces: the anchor is an integer sum (any order), sco
   const float length = kv::key_diff_anchor_length(unit, 4);
   CHECK(length == 1.0f);
   for (int e = 0; e < 4; ++e) unit[e] = kv::key_diff_unit_anchor(unit[e], length);
-  CHECK(kv::key_diff_score(keys[1], unit, 4) == -1.0f);  // along the anchor: the most similar
-  CHECK(kv::key_diff_score(keys[0], unit, 4) == 0.0f);   // orthogonal
+  CHECK(kv::key_diff_score(keys[1], unit, 4, 1.0f) == -1.0f);  // along the anchor: the most similar
+  CHECK(kv::key_diff_score(keys[0], unit, 4, 1.0f) == 0.0f);   // orthogonal
   const float zero[4] = {0, 0, 0, 0};
-  CHECK(kv::key_diff_score(zero, unit, 4) == 0.0f);
+  CHECK(kv::key_diff_score(zero, unit, 4, 1.0f) == 0.0f);
   const float opposite[4] = {0, 0, -2, 0};
-  CHECK(kv::key_diff_score(opposite, unit, 4) == 1.0f);  // the least similar scores highest
+  CHECK(kv::key_diff_score(opposite, unit, 4, 1.0f) == 1.0f);  // the least similar scores highest
   const float none[4] = {0, 0, 0, 0};
   CHECK(kv::key_diff_unit_anchor(0.0f, kv::key_diff_anchor_length(none, 4)) == 0.0f);
 }

@@ -292,12 +292,12 @@ TEST_CASE("key_norm_score is -||k|| in float, the same bits for every dtype of t
       squares += double(f[std::size_t(j)]) * f[std::size_t(j)];
     }
     const float want = -static_cast<float>(std::sqrt(squares));  // exact squares: one rounding
-    CHECK(kv::key_norm_score(f.data(), d) == want);
-    CHECK(kv::key_norm_score(bf.data(), d) == want);
-    CHECK(kv::key_norm_score(hf.data(), d) == want);
+    CHECK(kv::key_norm_score(f.data(), d, 1.0f) == want);
+    CHECK(kv::key_norm_score(bf.data(), d, 1.0f) == want);
+    CHECK(kv::key_norm_score(hf.data(), d, 1.0f) == want);
   }
   const float big[2] = {3e19f, 3e19f};  // squares overflow float
-  CHECK(std::isinf(kv::key_norm_score(big, 2)));
+  CHECK(std::isinf(kv::key_norm_score(big, 2, 1.0f)));
 }
 
 TEST_CASE("key_norms: a rule that accumulates is refused, a bad key is named, and nothing changes") {

@@ -73,7 +73,7 @@ struct score_source<rule::value_norms<T, Layout>> {
       out.code = batch_code::bad_page;
       return out;
     }
-    out.value = -key_norm_score(in.cache.v_row(b, h, s), in.cache.head_dim);
+    out.value = -key_norm_score(in.cache.v_row(b, h, s), in.cache.head_dim, in.cache.v_scale(h));
     if (classify_input(out.value, false) != batch_code::ok) out.code = batch_code::non_finite_kv;
     return out;
   }

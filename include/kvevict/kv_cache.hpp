@@ -37,9 +37,29 @@ class kv_cache {
   kv_cache(kv_cache&&) noexcept = default;  // vector moves keep their buffers
   kv_cache& operator=(kv_cache&&) noexcept = default;
 
-  view_type view() noexcept { return {k_.data(), v_.data(), current_layout(), num_seqs_, num_heads_, capacity_, head_dim_}; }
+  view_type view() noexcept {
+    return {k_.data(), v_.data(), current_layout(), num_seqs_, num_heads_, capacity_, head_dim_, current_scales()};
+  }
   const_view_type view() const noexcept {
-    return {k_.data(), v_.data(), current_layout(), num_seqs_, num_heads_, capacity_, head_dim_};
+    return {k_.data(), v_.data(), current_layout(), num_seqs_, num_heads_, capacity_, head_dim_, current_scales()};
+  }
+
+  /// An fp8 cache's K and V scales: one each (per layer) or num_heads each
+  /// (per KV head), positive and finite; 1 until set. Float caches have none.
+  void set_scales(std::vector<float> k, std::vector<float> v) {
+    const char* w = "kv_cache::set_scales";
+    if constexpr (!is_fp8_v<std::remove_cv_t<T>>) detail::fail<invalid_argument>(w, "k", "scales belong to fp8 caches");
+    if (k.size() != v.size() || (k.size() != 1 && k.size() != std::size_t(num_heads_)))
+      detail::fail<invalid_argument>(w, "k", "has ", k.size(), " scales and v ", v.size(),
+                                     ": both need 1 (per layer) or num_heads = ", num_heads_, " (per KV head)");
+    for (std::size_t i = 0; i < k.size(); ++i) {
+      if (!is_valid_kv_scale(k[i]))
+        detail::fail<invalid_argument>(w, detail::concat("k[", i, "]"), "= ", k[i], " is not positive and finite");
+      if (!is_valid_kv_scale(v[i]))
+        detail::fail<invalid_argument>(w, detail::concat("v[", i, "]"), "= ", v[i], " is not positive and finite");
+    }
+    k_scales_ = std::move(k);
+    v_scales_ = std::move(v);
   }
 
   std::vector<T>& k_storage() noexcept { return k_; }
@@ -70,8 +90,17 @@ class kv_cache {
     return l;
   }
 
+  kv_scales current_scales() const noexcept {
+    if constexpr (is_fp8_v<std::remove_cv_t<T>>) {
+      return {k_scales_.data(), v_scales_.data(), k_scales_.size() > 1 ? 1 : 0};
+    } else {
+      return {};
+    }
+  }
+
   std::vector<T> k_, v_;
   std::vector<std::int32_t> page_table_;
+  std::vector<float> k_scales_{1.0f}, v_scales_{1.0f};  // fp8 only
   Layout layout_{};
   std::int32_t num_seqs_ = 0, num_heads_ = 0, capacity_ = 0, head_dim_ = 0;
 };

@@ -1,8 +1,8 @@
 #pragma once
 // kv_view: a non-owning, trivially copyable view of an engine's K and V
-// buffers for one layer, in any dtype and layout. kvevict never allocates or
-// frees this memory; it only reads rows (scores from logits) and moves rows
-// (scatter, compaction).
+// buffers for one layer, in any dtype and layout (fp8 with its scales).
+// kvevict never allocates or frees this memory; it only reads rows (scores
+// from keys) and moves rows (scatter, compaction).
 #include <algorithm>
 #include <cstdint>
 #include <limits>
@@ -10,8 +10,11 @@
 #include <vector>
 
 #include "kvevict/config.hpp"
+#include "kvevict/dtype/fp8.hpp"
 #include "kvevict/error.hpp"
+#include "kvevict/kv_scales.hpp"
 #include "kvevict/layout.hpp"
+#include "kvevict/status_code.hpp"
 
 namespace kvevict {
 
@@ -27,12 +30,30 @@ struct kv_view {
   std::int32_t num_heads = 0;  ///< KV heads
   std::int32_t capacity = 0;   ///< slots per (sequence, head)
   std::int32_t head_dim = 0;
+  kv_scales scales{};  ///< fp8 caches only (required there): what a code is worth
 
   KVEVICT_HOST_DEVICE T* k_row(std::int32_t b, std::int32_t h, std::int32_t s) const noexcept {
     return k + layout.row_offset(b, h, s);
   }
   KVEVICT_HOST_DEVICE T* v_row(std::int32_t b, std::int32_t h, std::int32_t s) const noexcept {
     return v + layout.row_offset(b, h, s);
+  }
+  /// The scale of head h's keys (values): its fp8 scale, 1 for a float cache.
+  KVEVICT_HOST_DEVICE float k_scale(std::int32_t h) const noexcept {
+    if constexpr (is_fp8_v<std::remove_cv_t<T>>) {
+      return scales.k_of(h);
+    } else {
+      (void)h;
+      return 1.0f;
+    }
+  }
+  KVEVICT_HOST_DEVICE float v_scale(std::int32_t h) const noexcept {
+    if constexpr (is_fp8_v<std::remove_cv_t<T>>) {
+      return scales.v_of(h);
+    } else {
+      (void)h;
+      return 1.0f;
+    }
   }
 };
 
@@ -137,10 +158,28 @@ void require_disjoint_kv(const Where& where, const kv_view<T, Layout>& view, std
   if (!ok) fail<invalid_argument>(where, "view.v", "overlaps view.k (rows of one would alias rows of the other)");
 }
 
+// An fp8 cache comes with both scale arrays, a float cache with neither:
+// their values are checked where keys are read (bad_kv_scale), since on a
+// GPU they live in device memory.
+template <class Where, class T, class Layout>
+void require_scale_pointers(const Where& where, const kv_view<T, Layout>& view) {
+  const kv_scales& s = view.scales;
+  if constexpr (is_fp8_v<std::remove_cv_t<T>>) {
+    require_not_null(where, "view.scales.k", s.k);
+    require_not_null(where, "view.scales.v", s.v);
+    if (s.per_head != 0 && s.per_head != 1)
+      fail<invalid_argument>(where, "view.scales.per_head", "= ", s.per_head,
+                             " is neither 0 (one scale per layer) nor 1 (one per KV head)");
+  } else if (s.k || s.v || s.per_head) {
+    fail<invalid_argument>(where, "view.scales", "are set for a float cache: scales belong to fp8 caches");
+  }
+}
+
 }  // namespace detail
 
 /// Throws unless `view` is usable: non-null buffers, positive shape, strides
-/// that keep rows disjoint (K and V rows included). Page ids are checked where
+/// that keep rows disjoint (K and V rows included), scale arrays exactly
+/// for fp8 caches. Page ids are checked where
 /// rows are touched (require_row), since engines may leave unused page-table
 /// entries unset.
 template <class Where, class T, class Layout>
@@ -154,6 +193,7 @@ void validate(const Where& where, const kv_view<T, Layout>& view) {
   const std::int64_t span =
       detail::require_layout(where, view.layout, view.num_seqs, view.num_heads, view.capacity, view.head_dim);
   detail::require_disjoint_kv(where, view, span);
+  detail::require_scale_pointers(where, view);
 }
 
 /// Throws unless (b, h, s) is inside the view and, for a paged view, its page
@@ -184,6 +224,43 @@ KVEVICT_HOST_DEVICE bool row_is_mapped(const kv_view<T, Layout>& view, std::int3
     (void)view, (void)b, (void)s;
     return true;
   }
+}
+
+/// Which scale of head h makes its keys and values unreadable as numbers:
+/// 0 when an fp8 cache's K scale is not positive and finite, 1 for its V
+/// scale, else -1 (always for a float cache). Every path that reads keys
+/// or values checks it per head before reading one.
+template <class T, class Layout>
+KVEVICT_HOST_DEVICE std::int32_t bad_kv_scale(const kv_view<T, Layout>& view, std::int32_t h) noexcept {
+  if constexpr (is_fp8_v<std::remove_cv_t<T>>) {
+    if (!is_valid_kv_scale(view.scales.k_of(h))) return 0;
+    if (!is_valid_kv_scale(view.scales.v_of(h))) return 1;
+  } else {
+    (void)view, (void)h;
+  }
+  return -1;
+}
+
+/// The same as sequence b's status word: bad_kv_scale with index 0 (K) or 1
+/// (V), or batch_status_clear.
+template <class T, class Layout>
+KVEVICT_HOST_DEVICE std::uint64_t kv_scale_problem(const kv_view<T, Layout>& view, std::int32_t b,
+                                                   std::int32_t h) noexcept {
+  const std::int32_t bad = bad_kv_scale(view, h);
+  return bad < 0 ? batch_status_clear : pack_status(b, h, bad, batch_code::bad_kv_scale);
+}
+
+/// Throws invalid_argument naming view.scales.k[h] (or .v) unless head h's
+/// fp8 scales are positive and finite: the per-sequence API's check, where
+/// the scales are host memory.
+template <class Where, class T, class Layout>
+void require_kv_scales(const Where& where, const kv_view<T, Layout>& view, std::int32_t h) {
+  const std::int32_t bad = bad_kv_scale(view, h);
+  if (bad < 0) return;
+  const std::int32_t i = view.scales.per_head ? h : 0;
+  detail::fail<invalid_argument>(where, detail::concat(bad == 0 ? "view.scales.k[" : "view.scales.v[", i, "]"), "= ",
+                                 bad == 0 ? view.scales.k[i] : view.scales.v[i],
+                                 " is not a positive finite scale (an fp8 code's value is code x scale)");
 }
 
 /// For a paged view: throws unless the pages holding slots [0, slots) of

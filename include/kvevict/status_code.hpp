@@ -41,6 +41,7 @@ enum class batch_code : std::uint32_t {
   narrow_input = 20,         ///< the input has fewer columns than the head holds tokens (`index`)
   repeated_sequence = 21,    ///< active-list entry `index` names a sequence an earlier entry names
   bad_fork_source = 22,      ///< CUDA fork: the source `index` of this destination is not a sequence index
+  bad_kv_scale = 23,         ///< an fp8 cache's K (`index` 0) or V (1) scale of this head is not positive and finite
   /// Never recorded by a call: batch_status::unpack's reading of a word
   /// that is neither clear nor a recorded problem, such as 0 (a word set to
   /// 0 instead of batch_status_clear keeps every refusal out: it is the
@@ -49,7 +50,7 @@ enum class batch_code : std::uint32_t {
 };
 
 /// The highest code a call records.
-inline constexpr batch_code last_recorded_code = batch_code::bad_fork_source;
+inline constexpr batch_code last_recorded_code = batch_code::bad_kv_scale;
 
 /// The value of a clear status word.
 inline constexpr std::uint64_t batch_status_clear = ~std::uint64_t{0};

@@ -75,10 +75,10 @@ def _args(spec: str) -> Tuple[Arg, ...]:
 
 
 _ACTIVE = "Tensor? active=None"
-_KEYS = "Tensor k_cache, Tensor? page_table, SymInt layout, " + _ACTIVE
+_KEYS = "Tensor k_cache, Tensor? page_table, Tensor? scales, SymInt layout, " + _ACTIVE
 _PROMPT = "Tensor lengths, SymInt max_length"
-_CACHE_MOVED = "Tensor! k_cache, Tensor! v_cache, Tensor? page_table, SymInt layout"
-_PREFILL_TAIL = ("layout", "k_cache", "v_cache", "page_table", "reclaimable", "active", "workspace", "stream")
+_CACHE_MOVED = "Tensor! k_cache, Tensor! v_cache, Tensor? page_table, Tensor? scales, SymInt layout"
+_PREFILL_TAIL = ("layout", "k_cache", "v_cache", "page_table", "scales", "reclaimable", "active", "workspace", "stream")
 
 CALLS: Tuple[Call, ...] = (
     Call("init", (), "init", ("desc", "state", "stream"),
@@ -93,10 +93,9 @@ CALLS: Tuple[Call, ...] = (
     Call("append", _args(_ACTIVE), "append", ("desc", "state", "active", "stream"),
          doc="Append without K/V: the caller writes each head's row to its next slot."),
     Call("append_kv",
-         _args("Tensor! k_cache, Tensor! v_cache, Tensor? page_table, SymInt layout, Tensor k_new, Tensor v_new, "
-               + _ACTIVE),
-         "append_kv", ("desc", "state", "layout", "k_cache", "v_cache", "page_table", "k_new", "v_new", "active",
-                       "stream"),
+         _args(_CACHE_MOVED + ", Tensor k_new, Tensor v_new, " + _ACTIVE),
+         "append_kv", ("desc", "state", "layout", "k_cache", "v_cache", "page_table", "scales", "k_new", "v_new",
+                       "active", "stream"),
          checked="append",
          doc="Append fused with the scatter of k_new/v_new [B, Hkv, D] into each head's next slot."),
     Call("observe_evict", _args("SymInt input, Tensor x, Tensor? lse, float scale, SymInt base, " + _ACTIVE),
@@ -106,19 +105,19 @@ CALLS: Tuple[Call, ...] = (
              "_ext.DecodeInput); returns the freed slot per (sequence, head), int32 [B, Hkv], -1 for none."),
     Call("observe_evict_queries",
          _args("Tensor queries, Tensor lse, float scale, SymInt base, Tensor k_cache, Tensor v_cache, "
-               "Tensor? page_table, SymInt layout, " + _ACTIVE),
+               "Tensor? page_table, Tensor? scales, SymInt layout, " + _ACTIVE),
          "observe_evict_queries", ("desc", "state", "queries", "lse", "scale", "base", "layout", "k_cache", "v_cache",
-                                   "page_table", "victims", "active", "stream"),
+                                   "page_table", "scales", "victims", "active", "stream"),
          out="victims", checked="observe_evict",
          doc="Observe + evict from queries + LSE (logits recomputed from the cached keys), and exact_greedy's "
              "step; returns the freed slots, int32 [B, Hkv]."),
     Call("observe_evict_key_norms", _args(_KEYS), "observe_evict_key_norms",
-         ("desc", "state", "layout", "k_cache", "page_table", "victims", "active", "stream"),
+         ("desc", "state", "layout", "k_cache", "page_table", "scales", "victims", "active", "stream"),
          out="victims", checked="observe_evict",
          doc="Observe + evict from the key cache alone: each occupied slot's score becomes -||k||_2 of its "
              "cached key (h2o: with decay 0, ``H2OConfig.key_norm``); returns the freed slots, int32 [B, Hkv]."),
     Call("observe_evict_key_diff", _args(_KEYS), "observe_evict_key_diff",
-         ("desc", "state", "layout", "k_cache", "page_table", "victims", "active", "stream"),
+         ("desc", "state", "layout", "k_cache", "page_table", "scales", "victims", "active", "stream"),
          out="victims", checked="observe_evict",
          doc="Observe + evict by KeyDiff from the key cache alone: each occupied slot's score becomes -cos(k, "
              "the running anchor of the cached keys) (h2o with decay 0, a state made with head_dim); returns "
@@ -158,7 +157,8 @@ CALLS: Tuple[Call, ...] = (
     Call("prefill_exact_greedy",
          _args(_PROMPT + ", Tensor queries, Tensor? lse, float scale, SymInt base, " + _CACHE_MOVED + ", " + _ACTIVE),
          "prefill_exact_greedy", ("desc", "state", "lengths", "max_length", "queries", "lse", "scale", "base",
-                                  "layout", "k_cache", "v_cache", "page_table", "reclaimable", "active", "stream"),
+                                  "layout", "k_cache", "v_cache", "page_table", "scales", "reclaimable", "active",
+                                  "stream"),
          out="reclaimable", checked="prefill",
          doc="exact_greedy's batched prefill compression (host): each prompt joins the history and is reduced "
              "greedily to the budget, judged with the queries of its last row [B, Hq, head_dim] (``lse`` is not "
@@ -169,8 +169,8 @@ CALLS: Tuple[Call, ...] = (
     Call("evict_to",
          _args("SymInt target, " + _CACHE_MOVED + ", Tensor? queries=None, Tensor? lse=None, float scale=1.0, "
                "SymInt base=0, " + _ACTIVE),
-         "evict_to", ("desc", "state", "target", "layout", "k_cache", "v_cache", "page_table", "queries", "lse",
-                      "scale", "base", "freed", "active", "stream"),
+         "evict_to", ("desc", "state", "target", "layout", "k_cache", "v_cache", "page_table", "scales", "queries",
+                      "lse", "scale", "base", "freed", "active", "stream"),
          out="freed",
          doc="evict_to(target) with the kept rows compacted in the cache (exact_greedy: with the step's queries "
              "and LSE); returns the tokens freed, int32 [B, Hkv]."),

@@ -148,7 +148,7 @@ def fork_from(
 ) -> int: ...
 def append(desc: Descriptor, state: Array, active: Optional[Array] = None, stream: int = 0) -> None: ...
 def append_kv(
-    desc: Descriptor, state: Array, layout: CacheLayout, k_cache: Array, v_cache: Array, page_table: Optional[Array],
+    desc: Descriptor, state: Array, layout: CacheLayout, k_cache: Array, v_cache: Array, page_table: Optional[Array], scales: Optional[Array],
     k_new: Array, v_new: Array, active: Optional[Array] = None, stream: int = 0,
 ) -> None: ...
 def observe_evict(
@@ -157,17 +157,17 @@ def observe_evict(
 ) -> None: ...
 def observe_evict_queries(
     desc: Descriptor, state: Array, queries: Array, lse: Array, scale: float, base: LseBase, layout: CacheLayout,
-    k_cache: Array, v_cache: Array, page_table: Optional[Array], victims: Optional[Array],
+    k_cache: Array, v_cache: Array, page_table: Optional[Array], scales: Optional[Array], victims: Optional[Array],
     active: Optional[Array] = None, stream: int = 0,
 ) -> None: ...
 def observe_evict_key_norms(
-    desc: Descriptor, state: Array, layout: CacheLayout, k_cache: Array, page_table: Optional[Array],
+    desc: Descriptor, state: Array, layout: CacheLayout, k_cache: Array, page_table: Optional[Array], scales: Optional[Array],
     victims: Optional[Array], active: Optional[Array] = None, stream: int = 0,
 ) -> None:
     """Observe + evict from the key norms of k_cache (read only; no V)."""
 
 def observe_evict_key_diff(
-    desc: Descriptor, state: Array, layout: CacheLayout, k_cache: Array, page_table: Optional[Array],
+    desc: Descriptor, state: Array, layout: CacheLayout, k_cache: Array, page_table: Optional[Array], scales: Optional[Array],
     victims: Optional[Array], active: Optional[Array] = None, stream: int = 0,
 ) -> None:
     """Observe + evict by KeyDiff from k_cache (read only; no V): an h2o state made with head_dim."""
@@ -175,7 +175,7 @@ def observe_evict_key_diff(
 def append_tokens(desc: Descriptor, state: Array, tokens: int, active: Optional[Array] = None, stream: int = 0) -> None: ...
 def evict_to(
     desc: Descriptor, state: Array, target: int, layout: CacheLayout, k_cache: Array, v_cache: Array,
-    page_table: Optional[Array], queries: Optional[Array], lse: Optional[Array], scale: float, base: LseBase,
+    page_table: Optional[Array], scales: Optional[Array], queries: Optional[Array], lse: Optional[Array], scale: float, base: LseBase,
     freed: Optional[Array], active: Optional[Array] = None, stream: int = 0,
 ) -> None: ...
 def evict_to_moves(
@@ -185,7 +185,7 @@ def evict_to_moves(
 def prefill(
     desc: Descriptor, state: Array, lengths: Array, max_length: int, input: PrefillInput, x: Optional[Array],
     lse: Optional[Array], scale: float, base: LseBase, layout: CacheLayout, k_cache: Array, v_cache: Array,
-    page_table: Optional[Array], reclaimable_pages: Optional[Array], active: Optional[Array] = None,
+    page_table: Optional[Array], scales: Optional[Array], reclaimable_pages: Optional[Array], active: Optional[Array] = None,
     workspace: Optional[Array] = None, stream: int = 0,
 ) -> int:
     """input: probs, sums (column sums), queries + lse, none, key_norms (the
@@ -195,7 +195,7 @@ def prefill(
 
 def prefill_key_diff(
     desc: Descriptor, state: Array, lengths: Array, max_length: int, layout: CacheLayout, k_cache: Array, v_cache: Array,
-    page_table: Optional[Array], reclaimable_pages: Optional[Array], active: Optional[Array] = None,
+    page_table: Optional[Array], scales: Optional[Array], reclaimable_pages: Optional[Array], active: Optional[Array] = None,
     workspace: Optional[Array] = None, stream: int = 0,
 ) -> int:
     """KeyDiff prefill (prompts only): position p scores -cos(k_p, the sum of
@@ -205,7 +205,7 @@ def prefill_key_diff(
 def prefill_snapkv(
     desc: Descriptor, state: Array, lengths: Array, max_length: int, input: PrefillInput, x: Array, lse: Optional[Array],
     scale: float, base: LseBase, pool_width: int, pooling: SnapPooling, layout: CacheLayout, k_cache: Array, v_cache: Array,
-    page_table: Optional[Array], reclaimable_pages: Optional[Array], active: Optional[Array] = None,
+    page_table: Optional[Array], scales: Optional[Array], reclaimable_pages: Optional[Array], active: Optional[Array] = None,
     workspace: Optional[Array] = None, stream: int = 0,
 ) -> int:
     """SnapKV prefill (h2o): input window_probs [B][Hq][window][>= M],
@@ -215,7 +215,7 @@ def prefill_snapkv(
 
 def prefill_exact_greedy(
     desc: Descriptor, state: Array, lengths: Array, max_length: int, queries: Array, lse: Optional[Array],
-    scale: float, base: LseBase, layout: CacheLayout, k_cache: Array, v_cache: Array, page_table: Optional[Array],
+    scale: float, base: LseBase, layout: CacheLayout, k_cache: Array, v_cache: Array, page_table: Optional[Array], scales: Optional[Array],
     reclaimable_pages: Optional[Array], active: Optional[Array] = None, stream: int = 0,
 ) -> None:
     """exact_greedy's prefill (host only): the prompts join the history and are
@@ -227,6 +227,7 @@ def status_word(desc: Descriptor, state: Array, stream: int = 0) -> int: ...
 def check(desc: Descriptor, state: Array, stream: int = 0, call: str = "check") -> None: ...
 def state_offsets(desc: Descriptor, state: Array) -> Dict[str, Optional[int]]: ...
 def as_bfloat16(array: Array) -> Any: ...
+def as_float8(array: Array, e5m2: bool) -> Any: ...
 def _bench_decode_steps(desc: Descriptor, state: Array, probs: Array, victims: Array, steps: int) -> float:
     """Benchmark hook: ns per decode step (append + observe_evict) in a C++ loop."""
 
@@ -239,23 +240,23 @@ class _SequencePolicy:
     def observe_probs(self, b: int, probs: Array) -> None: ...
     def observe_head_scores(self, b: int, scores: Array) -> None: ...
     def observe_logits(self, b: int, logits: Array, lse: Array, scale: float = 1.0, base: LseBase = LseBase.natural) -> None: ...
-    def observe_key_norms(self, b: int, layout: CacheLayout, k_cache: Array, page_table: Optional[Array] = None) -> None: ...
-    def observe_key_diff(self, b: int, layout: CacheLayout, k_cache: Array, page_table: Optional[Array] = None) -> None: ...
+    def observe_key_norms(self, b: int, layout: CacheLayout, k_cache: Array, page_table: Optional[Array] = None, scales: Optional[Array] = None) -> None: ...
+    def observe_key_diff(self, b: int, layout: CacheLayout, k_cache: Array, page_table: Optional[Array] = None, scales: Optional[Array] = None) -> None: ...
     def skip_observe(self, b: int) -> None: ...
     def evict(self, b: int) -> List[int]: ...
     def prefill_column_sums(self, b: int, length: int, column_sums: Array) -> int: ...
     def prefill_key_norms(
-        self, b: int, length: int, layout: CacheLayout, k_cache: Array, v_cache: Array, page_table: Optional[Array] = None
+        self, b: int, length: int, layout: CacheLayout, k_cache: Array, v_cache: Array, page_table: Optional[Array] = None, scales: Optional[Array] = None
     ) -> Tuple[int, int]: ...
     def prefill_key_diff(
-        self, b: int, length: int, layout: CacheLayout, k_cache: Array, v_cache: Array, page_table: Optional[Array] = None
+        self, b: int, length: int, layout: CacheLayout, k_cache: Array, v_cache: Array, page_table: Optional[Array] = None, scales: Optional[Array] = None
     ) -> Tuple[int, int]:
         """KeyDiff prefill (h2o; the others raise): the prompt scored by
         -cos(k_p, the sum of its head's unit keys)."""
     def prefill_snapkv(
         self, b: int, length: int, input: PrefillInput, x: Array, lse: Optional[Array], scale: float, base: LseBase,
         pool_width: int, pooling: SnapPooling, layout: CacheLayout, k_cache: Array, v_cache: Array,
-        page_table: Optional[Array] = None,
+        page_table: Optional[Array] = None, scales: Optional[Array] = None,
     ) -> Tuple[int, int]:
         """SnapKV prefill (h2o; the others raise): input window_probs
         [Hq][window][>= length], window_logits with lse [Hq][window],

@@ -267,7 +267,7 @@ class BatchedPolicy:
             return _call.append(self, active, stream=stream)
         if k_new is None or v_new is None:
             raise _ext.InvalidArgument("kvevict.append: argument 'k_new' and 'v_new' are required with 'cache'")
-        _call.append_kv(self, cache._k, cache._v, cache.page_table, cache._code, k_new, v_new, active, stream=stream)
+        _call.append_kv(self, *cache._moved, k_new, v_new, active, stream=stream)
 
     def observe_evict(
         self,
@@ -314,7 +314,7 @@ class BatchedPolicy:
             if cache is None or lse is None:
                 raise _ext.InvalidArgument("kvevict.observe_evict: argument 'queries' needs 'lse' and 'cache'")
             return _call.observe_evict_queries(
-                self, queries, lse, float(scale), base_code, cache._k, cache._v, cache.page_table, cache._code, active,
+                self, queries, lse, float(scale), base_code, *cache._moved, active,
                 out=out, stream=stream,
             )  # fmt: skip
         if logits is not None and lse is None:
@@ -380,15 +380,15 @@ class BatchedPolicy:
         if isinstance(k_cache, CacheView):
             if page_table is not None or layout is not None:
                 raise _ext.InvalidArgument(f"kvevict.{name}: argument 'layout'/'page_table' come from the CacheView")
-            k, code, page_table = k_cache._k, k_cache._code, k_cache.page_table
+            k, code, page_table, scales = k_cache._k, k_cache._code, k_cache.page_table, k_cache._scales
         else:
             layout = "bhsd" if layout is None else layout
             if layout not in LAYOUT_CODES:
                 raise _ext.InvalidArgument(
                     f"kvevict.{name}: argument 'layout' = {layout!r} is not one of {', '.join(LAYOUT_CODES)}"
                 )
-            k, code = k_cache, LAYOUT_CODES[layout]
-        return getattr(_call, name)(self, k, page_table, code, self._active(active), out=out, stream=stream)
+            k, code, scales = k_cache, LAYOUT_CODES[layout], None  # raw fp8 keys: refused, a CacheView has the scales
+        return getattr(_call, name)(self, k, page_table, scales, code, self._active(active), out=out, stream=stream)
 
     def prefill(
         self,
@@ -444,8 +444,8 @@ class BatchedPolicy:
         base_code = _base_code(base)
         active = self._active(active)
         return _call.prefill(
-            self, lengths, int(max_length), kind, x, lse, float(scale), base_code, cache._k, cache._v,
-            cache.page_table, cache._code, active, stream=stream,
+            self, lengths, int(max_length), kind, x, lse, float(scale), base_code, *cache._moved, active,
+            stream=stream,
         )  # fmt: skip
 
     def prefill_key_norms(
@@ -520,7 +520,7 @@ class BatchedPolicy:
         lengths = self._array(lengths, np.int32)
         if max_length is None:
             max_length = int(lengths.max()) if len(lengths) else 0
-        return getattr(_call, call)(self, lengths, int(max_length), cache._k, cache._v, cache.page_table, cache._code,
+        return getattr(_call, call)(self, lengths, int(max_length), *cache._moved,
                                     self._active(active))
 
     def prefill_snapkv(
@@ -596,8 +596,8 @@ class BatchedPolicy:
         if max_length is None:
             max_length = int(lengths.max()) if len(lengths) else 0
         return _call.prefill_snapkv(
-            self, lengths, int(max_length), kind, x, lse, float(scale), base_code, pool_width, pooling, cache._k,
-            cache._v, cache.page_table, cache._code, self._active(active),
+            self, lengths, int(max_length), kind, x, lse, float(scale), base_code, pool_width, pooling,
+            *cache._moved, self._active(active),
         )  # fmt: skip
 
     def prefill_exact_greedy(
@@ -640,8 +640,8 @@ class BatchedPolicy:
         if max_length is None:
             max_length = int(lengths.max()) if len(lengths) else 0
         return _call.prefill_exact_greedy(
-            self, lengths, int(max_length), queries, lse, float(scale), base_code, cache._k, cache._v,
-            cache.page_table, cache._code, self._active(active),
+            self, lengths, int(max_length), queries, lse, float(scale), base_code, *cache._moved,
+            self._active(active),
         )  # fmt: skip
 
     def append_tokens(self, tokens: int, active: Any = None, stream: Any = None) -> None:
@@ -686,7 +686,7 @@ class BatchedPolicy:
                 )
             return _call.evict_to_moves(self, int(target), active, stream=stream)
         return _call.evict_to(
-            self, int(target), cache._k, cache._v, cache.page_table, cache._code, queries, lse, float(scale),
+            self, int(target), *cache._moved, queries, lse, float(scale),
             base_code, active, stream=stream,
         )  # fmt: skip
 

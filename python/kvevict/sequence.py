@@ -81,7 +81,7 @@ class SequencePolicy:
         ``-||k||_2`` of its key in ``k_cache`` (the whole batch's K buffer in
         ``layout``, as :class:`CacheView` describes it; V is not read). h2o
         takes it only with decay 0 (:meth:`H2OConfig.key_norm`)."""
-        self._p.observe_key_norms(b, _layout_code(layout), for_ext(k_cache), for_ext(page_table))
+        self._p.observe_key_norms(b, *self._key_args(k_cache, layout, page_table))
 
     def observe_key_diff(self, b: int, k_cache: Any, layout: str = "bhsd", page_table: Any = None) -> None:
         """KeyDiff scoring of sequence b (h2o with decay 0): each occupied
@@ -89,7 +89,7 @@ class SequencePolicy:
         of the unit keys cached now; ``k_cache`` as for :meth:`observe_key_norms`.
         Above the budget the victims leave the anchor here (``evict`` has no
         keys), so call ``evict`` next."""
-        self._p.observe_key_diff(b, _layout_code(layout), for_ext(k_cache), for_ext(page_table))
+        self._p.observe_key_diff(b, *self._key_args(k_cache, layout, page_table))
 
     def skip_observe(self, b: int) -> None:
         self._p.skip_observe(b)
@@ -194,23 +194,32 @@ class SequencePolicy:
         snap._require_rows("SequencePolicy.prefill_snapkv", given[0], x, 1)
         pool_width, pooling = snap._codes()
         base_code = _base_code(base)
-        code, k, v, table = self._cache_args(k_cache, v_cache, layout, page_table)
+        code, k, v, table, scales = self._cache_args(k_cache, v_cache, layout, page_table)
         return tuple(self._p.prefill_snapkv(b, length, _SNAP_INPUTS[kind], for_ext(x), for_ext(lse), float(scale), base_code,
-                                            pool_width, pooling, code, k, v, table))  # fmt: skip
+                                            pool_width, pooling, code, k, v, table, scales))  # fmt: skip
+
+    def _key_args(self, k_cache: Any, layout: str, page_table: Any) -> Tuple[int, Any, Any, Any]:
+        """(layout code, K, page table, scales) for the extension: a CacheView (an fp8 one with its scales) or K."""
+        if isinstance(k_cache, CacheView):
+            return k_cache._code, k_cache._ext_k(), for_ext(k_cache.page_table), for_ext(k_cache._scales)
+        return _layout_code(layout), for_ext(k_cache), for_ext(page_table), None
 
     def _cache_args(
         self, k_cache: Any, v_cache: Any, layout: Optional[str], page_table: Any
-    ) -> Tuple[int, Any, Any, Any]:
-        """(layout code, K, V, page table) for the extension, from a CacheView or the arrays."""
+    ) -> Tuple[int, Any, Any, Any, Any]:
+        """(layout code, K, V, page table, scales) for the extension, from a CacheView (an fp8 one with its
+        scales) or the arrays."""
         if isinstance(k_cache, CacheView):
             if v_cache is not None or layout is not None or page_table is not None:
                 raise _ext.InvalidArgument(
                     "kvevict.SequencePolicy: argument 'v_cache'/'layout'/'page_table' come from the CacheView"
                 )
-            return k_cache._code, k_cache._ext_k(), k_cache._ext_v(), for_ext(k_cache.page_table)
+            return (k_cache._code, k_cache._ext_k(), k_cache._ext_v(), for_ext(k_cache.page_table),
+                    for_ext(k_cache._scales))
         if v_cache is None:
             raise _ext.InvalidArgument("kvevict.SequencePolicy: argument 'v_cache' is required (the kept rows move)")
-        return _layout_code("bhsd" if layout is None else layout), for_ext(k_cache), for_ext(v_cache), for_ext(page_table)
+        return (_layout_code("bhsd" if layout is None else layout), for_ext(k_cache), for_ext(v_cache),
+                for_ext(page_table), None)
 
     def reset(self, b: int) -> None:
         self._p.reset(b)

@@ -156,7 +156,10 @@ elem elem_of(const A& a, const char* call, const char* arg) {
   if (is(t, nb::dlpack::dtype_code::Float, 32)) return elem::f32;
   if (is(t, nb::dlpack::dtype_code::Float, 16)) return elem::f16;
   if (is(t, nb::dlpack::dtype_code::Bfloat, 16)) return elem::bf16;
-  fail_arg(call, arg, concat("has dtype ", dtype_name(t), ", expected float32, float16 or bfloat16"));
+  if (is(t, nb::dlpack::dtype_code::Float8_E4M3FN, 8)) return elem::f8e4m3;
+  if (is(t, nb::dlpack::dtype_code::Float8_E5M2, 8)) return elem::f8e5m2;
+  fail_arg(call, arg,
+           concat("has dtype ", dtype_name(t), ", expected float32, float16, bfloat16, float8_e4m3fn or float8_e5m2"));
 }
 
 template <class A>
@@ -322,20 +325,22 @@ any_cache describe_cache(cache_layout kind, const A& k, elem type, nb::handle ta
 
 /// The cache view of (layout, k, v, page_table) on `dev`, for a policy of
 /// `state_capacity` slots per head.
-any_cache parse_cache(cache_layout layout, nb::handle k_obj, nb::handle v_obj, nb::handle table_obj, const device& dev,
-                      std::int32_t state_capacity, const char* call);
-
-/// The cache view of (layout, k, v, page_table) for a batched state.
 any_cache parse_cache(cache_layout layout, nb::handle k_obj, nb::handle v_obj, nb::handle table_obj,
-                      const state_ref& st, const char* call);
+                      nb::handle scales_obj, const device& dev, std::int32_t state_capacity, const char* call);
+
+/// The cache view of (layout, k, v, page_table, scales) for a batched state.
+/// scales: an fp8 cache's float32 [2][1 or num_kv_heads] (K's, then V's),
+/// None for any other cache.
+any_cache parse_cache(cache_layout layout, nb::handle k_obj, nb::handle v_obj, nb::handle table_obj,
+                      nb::handle scales_obj, const state_ref& st, const char* call);
 
 /// The cache view of (layout, k, page_table) for a call that reads the keys
 /// alone (key norms), K read-only. kvevict's kv_view has a V buffer, which
 /// the key-norm path never reads but validates (non-null, disjoint from K):
 /// it is given the address one past the last element of K, which lies
 /// outside K's rows and is never dereferenced.
-any_cache parse_keys(cache_layout layout, nb::handle k_obj, nb::handle table_obj, const device& dev,
-                     std::int32_t state_capacity, const char* call);
+any_cache parse_keys(cache_layout layout, nb::handle k_obj, nb::handle table_obj, nb::handle scales_obj,
+                     const device& dev, std::int32_t state_capacity, const char* call);
 
 /// Rows of new K or V [num_seqs][num_kv_heads][head_dim] of the cache's type.
 any_array parse_rows(nb::handle obj, const any_cache& cache, const state_ref& st, const char* call, const char* arg);
@@ -348,9 +353,12 @@ any_array parse_queries(nb::handle obj, const any_cache& cache, const device& de
   require_device(a, dev, call, "queries");
   require_rank(a, R, call, "queries", dims);
   const elem t = elem_of(a, call, "queries");
-  if (t != elem::f32 && t != cache.type)
-    fail_arg(call, "queries", concat("has dtype ", elem_name(t), ", expected float32 or the cache's ",
-                                     elem_name(cache.type)));
+  if (t != elem::f32 && (t != cache.type || is_fp8(t)))
+    fail_arg(call, "queries",
+             is_fp8(cache.type) ? concat("has dtype ", elem_name(t), ", expected float32 (an ", elem_name(cache.type),
+                                         " cache's queries are numbers, not codes)")
+                                : concat("has dtype ", elem_name(t), ", expected float32 or the cache's ",
+                                         elem_name(cache.type)));
   return to_any(a, t);
 }
 

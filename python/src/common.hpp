@@ -81,23 +81,37 @@ const char* name_in(const enum_name<E> (&table)[N], E value) noexcept {
   return "?";
 }
 
-/// Element types of K/V, queries and new rows.
-enum class elem : std::int32_t { f32 = 0, f16 = 1, bf16 = 2 };
+/// Element types of K/V, queries and new rows (fp8: K/V and new rows only).
+enum class elem : std::int32_t { f32 = 0, f16 = 1, bf16 = 2, f8e4m3 = 3, f8e5m2 = 4 };
 
-inline constexpr enum_name<elem> elem_names[] = {
-    {elem::f32, "float32"}, {elem::f16, "float16"}, {elem::bf16, "bfloat16"}};
+inline constexpr enum_name<elem> elem_names[] = {{elem::f32, "float32"},
+                                                 {elem::f16, "float16"},
+                                                 {elem::bf16, "bfloat16"},
+                                                 {elem::f8e4m3, "float8_e4m3fn"},
+                                                 {elem::f8e5m2, "float8_e5m2"}};
 
 inline const char* elem_name(elem e) noexcept { return name_in(elem_names, e); }
+
+inline bool is_fp8(elem e) noexcept { return e == elem::f8e4m3 || e == elem::f8e5m2; }
+
+inline std::size_t elem_bytes(elem e) noexcept { return e == elem::f32 ? 4 : is_fp8(e) ? 1 : 2; }
 
 template <class F>
 decltype(auto) with_elem(elem e, F&& f) {
   switch (e) {
     case elem::f16: return f(kvevict::half{});
     case elem::bf16: return f(kvevict::bfloat16{});
+    case elem::f8e4m3: return f(kvevict::fp8_e4m3{});
+    case elem::f8e5m2: return f(kvevict::fp8_e5m2{});
     case elem::f32: break;
   }
   return f(float{});
 }
+
+/// The queries a cache of T takes besides float32: its own type, float32
+/// again for fp8 (codes without a scale are not queries).
+template <class T>
+using own_query_t = std::conditional_t<kvevict::is_fp8_v<T>, float, T>;
 
 /// A strided array of up to four dimensions (extents and strides in
 /// elements), as DLPack gave it.
@@ -132,10 +146,11 @@ struct any_cache {
   kvevict::strided_layout strided;
   kvevict::paged_layout pages;
   std::int32_t num_seqs = 0, num_heads = 0, capacity = 0, head_dim = 0;
+  kvevict::kv_scales scales;  ///< fp8 only: the scales array's rows (parse_scales)
 
   template <class T, class Layout>
   kvevict::kv_view<T, Layout> view(const Layout& layout) const noexcept {
-    return {static_cast<T*>(k), static_cast<T*>(v), layout, num_seqs, num_heads, capacity, head_dim};
+    return {static_cast<T*>(k), static_cast<T*>(v), layout, num_seqs, num_heads, capacity, head_dim, scales};
   }
 };
 
@@ -150,15 +165,15 @@ decltype(auto) visit_cache(const any_cache& c, F&& f) {
 }
 
 /// Calls f(Q{}, kv_view<T, Layout>) for queries `q` over cache `c`. Queries
-/// are float32 or the cache's own type (what attention kernels produce);
-/// the bindings refuse other pairs before this is reached, which keeps the
-/// number of CUDA kernel instantiations down.
+/// are float32 or the cache's own type (what attention kernels produce;
+/// float32 only for fp8); the bindings refuse other pairs before this is
+/// reached, which keeps the number of CUDA kernel instantiations down.
 template <class F>
 decltype(auto) visit_queries(const any_array& q, const any_cache& c, F&& f) {
   return visit_cache(c, [&](auto cache) -> decltype(auto) {
     using T = typename decltype(cache)::element_type;
     if (q.type == elem::f32) return f(float{}, cache);
-    return f(T{}, cache);
+    return f(own_query_t<T>{}, cache);
   });
 }
 

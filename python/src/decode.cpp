@@ -14,11 +14,11 @@ void append(const Descriptor& desc, nb::handle memory, nb::handle active_obj, st
 }
 
 void append_kv(const Descriptor& desc, nb::handle memory, cache_layout layout, nb::handle k, nb::handle v,
-               nb::handle page_table, nb::handle k_new_obj, nb::handle v_new_obj, nb::handle active_obj,
-               std::uintptr_t stream) {
+               nb::handle page_table, nb::handle scales, nb::handle k_new_obj, nb::handle v_new_obj,
+               nb::handle active_obj, std::uintptr_t stream) {
   const char* call = "append";
   const state_ref st = resolve_state(desc, memory, call);
-  const any_cache cache = parse_cache(layout, k, v, page_table, st, call);
+  const any_cache cache = parse_cache(layout, k, v, page_table, scales, st, call);
   const any_array k_new = parse_rows(k_new_obj, cache, st, call, "k_new");
   const any_array v_new = parse_rows(v_new_obj, cache, st, call, "v_new");
   const kvevict::active_set active = parse_active(active_obj, st, call);
@@ -71,11 +71,11 @@ void observe_evict(const Descriptor& desc, nb::handle memory, decode_input input
 
 void observe_evict_queries(const Descriptor& desc, nb::handle memory, nb::handle q_obj, nb::handle lse_obj,
                            float scale, kvevict::lse_base base_code, cache_layout layout, nb::handle k, nb::handle v,
-                           nb::handle page_table, nb::handle victims_obj, nb::handle active_obj,
+                           nb::handle page_table, nb::handle scales, nb::handle victims_obj, nb::handle active_obj,
                            std::uintptr_t stream) {
   const char* call = "observe_evict";
   const state_ref st = resolve_state(desc, memory, call);
-  const any_cache cache = parse_cache(layout, k, v, page_table, st, call);
+  const any_cache cache = parse_cache(layout, k, v, page_table, scales, st, call);
   const any_array q = parse_queries<3>(q_obj, cache, st, call, "[num_seqs][num_q_heads][head_dim]");
   const auto lse = float_input<2>(lse_obj, st.dev, call, "lse", "[num_seqs][num_q_heads]");
   const kvevict::lse_base base = parse_base(base_code, call);
@@ -99,10 +99,11 @@ void observe_evict_queries(const Descriptor& desc, nb::handle memory, nb::handle
 /// `diff`, KeyDiff (-cos(k, the running anchor of the cached keys); an h2o
 /// state made with head_dim).
 void observe_evict_keys(bool diff, const Descriptor& desc, nb::handle memory, cache_layout layout, nb::handle k,
-                        nb::handle page_table, nb::handle victims_obj, nb::handle active_obj, std::uintptr_t stream) {
+                        nb::handle page_table, nb::handle scales, nb::handle victims_obj, nb::handle active_obj,
+                        std::uintptr_t stream) {
   const char* call = "observe_evict";
   const state_ref st = resolve_state(desc, memory, call);
-  const any_cache cache = parse_keys(layout, k, page_table, st.dev, st.view.capacity(), call);
+  const any_cache cache = parse_keys(layout, k, page_table, scales, st.dev, st.view.capacity(), call);
   const kvevict::active_set active = parse_active(active_obj, st, call);
   std::int32_t* victims =
       int32_output(victims_obj, st.dev, std::size_t(st.view.num_seqs()) * st.view.num_heads(), call, "victims");
@@ -126,20 +127,20 @@ void bind_decode(nb::module_& m) {
   const auto none = nb::none();
   m.def("append", &append, "desc"_a, "state"_a, "active"_a = none, "stream"_a = 0);
   m.def("append_kv", &append_kv, "desc"_a, "state"_a, "layout"_a, "k_cache"_a, "v_cache"_a, "page_table"_a.none(),
-        "k_new"_a, "v_new"_a, "active"_a = none, "stream"_a = 0);
+        "scales"_a.none(), "k_new"_a, "v_new"_a, "active"_a = none, "stream"_a = 0);
   m.def("observe_evict", &observe_evict, "desc"_a, "state"_a, "input"_a, "x"_a, "lse"_a.none(), "scale"_a, "base"_a,
         "victims"_a.none(), "active"_a = none, "stream"_a = 0);
   m.def("observe_evict_queries", &observe_evict_queries, "desc"_a, "state"_a, "queries"_a, "lse"_a, "scale"_a,
-        "base"_a, "layout"_a, "k_cache"_a, "v_cache"_a, "page_table"_a.none(), "victims"_a.none(), "active"_a = none,
-        "stream"_a = 0);
+        "base"_a, "layout"_a, "k_cache"_a, "v_cache"_a, "page_table"_a.none(), "scales"_a.none(), "victims"_a.none(),
+        "active"_a = none, "stream"_a = 0);
   for (const bool diff : {false, true})
     m.def(diff ? "observe_evict_key_diff" : "observe_evict_key_norms",
           [diff](const Descriptor& desc, nb::handle memory, cache_layout layout, nb::handle k, nb::handle page_table,
-                 nb::handle victims, nb::handle active, std::uintptr_t stream) {
-            observe_evict_keys(diff, desc, memory, layout, k, page_table, victims, active, stream);
+                 nb::handle scales, nb::handle victims, nb::handle active, std::uintptr_t stream) {
+            observe_evict_keys(diff, desc, memory, layout, k, page_table, scales, victims, active, stream);
           },
-          "desc"_a, "state"_a, "layout"_a, "k_cache"_a, "page_table"_a.none(), "victims"_a.none(), "active"_a = none,
-          "stream"_a = 0);
+          "desc"_a, "state"_a, "layout"_a, "k_cache"_a, "page_table"_a.none(), "scales"_a.none(), "victims"_a.none(),
+          "active"_a = none, "stream"_a = 0);
 }
 
 }  // namespace kvevict_py

@@ -17,11 +17,11 @@ void append_tokens(const Descriptor& desc, nb::handle memory, std::int32_t token
 /// evict_to with the rows moved in the cache; exact_greedy passes the step's
 /// queries and LSE (q_obj not None).
 void evict_to(const Descriptor& desc, nb::handle memory, std::int32_t target, cache_layout layout, nb::handle k,
-              nb::handle v, nb::handle page_table, nb::handle q_obj, nb::handle lse_obj, float scale,
+              nb::handle v, nb::handle page_table, nb::handle scales, nb::handle q_obj, nb::handle lse_obj, float scale,
               kvevict::lse_base base_code, nb::handle freed_obj, nb::handle active_obj, std::uintptr_t stream) {
   const char* call = "evict_to";
   const state_ref st = resolve_state(desc, memory, call);
-  const any_cache cache = parse_cache(layout, k, v, page_table, st, call);
+  const any_cache cache = parse_cache(layout, k, v, page_table, scales, st, call);
   const kvevict::active_set active = parse_active(active_obj, st, call);
   std::int32_t* freed =
       int32_output(freed_obj, st.dev, std::size_t(st.view.num_seqs()) * st.view.num_heads(), call, "freed");
@@ -74,8 +74,8 @@ void bind_multi_token(nb::module_& m) {
   const auto none = nb::none();
   m.def("append_tokens", &append_tokens, "desc"_a, "state"_a, "tokens"_a, "active"_a = none, "stream"_a = 0);
   m.def("evict_to", &evict_to, "desc"_a, "state"_a, "target"_a, "layout"_a, "k_cache"_a, "v_cache"_a,
-        "page_table"_a.none(), "queries"_a.none(), "lse"_a.none(), "scale"_a, "base"_a, "freed"_a.none(),
-        "active"_a = none, "stream"_a = 0);
+        "page_table"_a.none(), "scales"_a.none(), "queries"_a.none(), "lse"_a.none(), "scale"_a, "base"_a,
+        "freed"_a.none(), "active"_a = none, "stream"_a = 0);
   m.def("evict_to_moves", &evict_to_moves, "desc"_a, "state"_a, "target"_a, "moves"_a, "move_counts"_a,
         "active"_a = none, "stream"_a = 0);
 }

@@ -25,11 +25,12 @@ kvevict::prompt_lengths parse_prompts(nb::handle lengths_obj, std::int32_t max_l
 std::size_t run_prefill(const Descriptor& desc, nb::handle memory, nb::handle lengths_obj, std::int32_t max_length,
                         prefill_input kind, nb::handle x_obj, nb::handle lse_obj, float scale,
                         kvevict::lse_base base_code, std::int32_t pool_width, kvevict::snap_pooling pooling, cache_layout layout,
-                        nb::handle k, nb::handle v, nb::handle page_table, nb::handle reclaimable_obj,
-                        nb::handle active_obj, nb::handle workspace_obj, std::uintptr_t stream) {
+                        nb::handle k, nb::handle v, nb::handle page_table, nb::handle scales,
+                        nb::handle reclaimable_obj, nb::handle active_obj, nb::handle workspace_obj,
+                        std::uintptr_t stream) {
   const char* call = "prefill";
   const state_ref st = resolve_state(desc, memory, call);
-  const any_cache cache = parse_cache(layout, k, v, page_table, st, call);
+  const any_cache cache = parse_cache(layout, k, v, page_table, scales, st, call);
   const kvevict::active_set active = parse_active(active_obj, st, call);
   const kvevict::prompt_lengths prompts = parse_prompts(lengths_obj, max_length, st, call);
   std::int32_t* reclaimable = int32_output(reclaimable_obj, st.dev, std::size_t(st.view.num_seqs()), call,
@@ -111,7 +112,8 @@ std::size_t run_prefill(const Descriptor& desc, nb::handle memory, nb::handle le
                                             kvevict::batch_prefill_queries<float>{x.view<float, 4>(), lse, scale, base},
                                             view, reclaimable, st.status);
           return kvevict::batched_prefill(st.view, active, prompts,
-                                          kvevict::batch_prefill_queries<T>{x.view<T, 4>(), lse, scale, base}, view,
+                                          kvevict::batch_prefill_queries<own_query_t<T>>{x.view<own_query_t<T>, 4>(),
+                                                                                         lse, scale, base}, view,
                                           reclaimable, st.status);
         }
         case prefill_input::window_probs:
@@ -129,7 +131,8 @@ std::size_t run_prefill(const Descriptor& desc, nb::handle memory, nb::handle le
                 kvevict::batch_window_queries<float>{x.view<float, 4>(), lse, scale, base, snap}, view, reclaimable,
                 st.status);
           return kvevict::batched_prefill(st.view, active, prompts,
-                                          kvevict::batch_window_queries<T>{x.view<T, 4>(), lse, scale, base, snap},
+                                          kvevict::batch_window_queries<own_query_t<T>>{x.view<own_query_t<T>, 4>(),
+                                                                                        lse, scale, base, snap},
                                           view, reclaimable, st.status);
         }
       }
@@ -145,7 +148,7 @@ std::size_t run_prefill(const Descriptor& desc, nb::handle memory, nb::handle le
 /// otherwise 0.
 std::size_t prefill(const Descriptor& desc, nb::handle memory, nb::handle lengths_obj, std::int32_t max_length,
                     prefill_input input, nb::handle x_obj, nb::handle lse_obj, float scale, kvevict::lse_base base_code,
-                    cache_layout layout, nb::handle k, nb::handle v, nb::handle page_table,
+                    cache_layout layout, nb::handle k, nb::handle v, nb::handle page_table, nb::handle scales,
                     nb::handle reclaimable_obj, nb::handle active_obj, nb::handle workspace_obj,
                     std::uintptr_t stream) {
   if (is_window(input) || input == prefill_input::key_diff)
@@ -153,7 +156,8 @@ std::size_t prefill(const Descriptor& desc, nb::handle memory, nb::handle length
              concat("= ", prefill_input_name(input),
                     " is not probs, sums, queries, none or key_norms (SnapKV and KeyDiff have their own calls)"));
   return run_prefill(desc, memory, lengths_obj, max_length, input, x_obj, lse_obj, scale, base_code, 0,
-                     kvevict::snap_pooling::max, layout, k, v, page_table, reclaimable_obj, active_obj, workspace_obj, stream);
+                     kvevict::snap_pooling::max, layout, k, v, page_table, scales, reclaimable_obj, active_obj,
+                     workspace_obj, stream);
 }
 
 /// SnapKV prefill (kvevict/batch/prefill_window.hpp): the prompts scored by
@@ -165,14 +169,14 @@ std::size_t prefill(const Descriptor& desc, nb::handle memory, nb::handle length
 std::size_t prefill_snapkv(const Descriptor& desc, nb::handle memory, nb::handle lengths_obj,
                            std::int32_t max_length, prefill_input input, nb::handle x_obj, nb::handle lse_obj,
                            float scale, kvevict::lse_base base_code, std::int32_t pool_width, kvevict::snap_pooling pooling,
-                           cache_layout layout, nb::handle k, nb::handle v, nb::handle page_table,
+                           cache_layout layout, nb::handle k, nb::handle v, nb::handle page_table, nb::handle scales,
                            nb::handle reclaimable_obj, nb::handle active_obj, nb::handle workspace_obj,
                            std::uintptr_t stream) {
   if (!is_window(input))
     fail_arg("prefill", "input",
              concat("= ", prefill_input_name(input), " is not window_probs, window_logits or window_queries"));
   return run_prefill(desc, memory, lengths_obj, max_length, input, x_obj, lse_obj, scale, base_code, pool_width,
-                     pooling, layout, k, v, page_table, reclaimable_obj, active_obj, workspace_obj, stream);
+                     pooling, layout, k, v, page_table, scales, reclaimable_obj, active_obj, workspace_obj, stream);
 }
 
 /// KeyDiff prefill (kvevict/batch/prefill_key_diff.hpp): the prompts scored
@@ -182,10 +186,11 @@ std::size_t prefill_snapkv(const Descriptor& desc, nb::handle memory, nb::handle
 /// as prefill.
 std::size_t prefill_key_diff(const Descriptor& desc, nb::handle memory, nb::handle lengths_obj,
                              std::int32_t max_length, cache_layout layout, nb::handle k, nb::handle v,
-                             nb::handle page_table, nb::handle reclaimable_obj, nb::handle active_obj,
-                             nb::handle workspace_obj, std::uintptr_t stream) {
+                             nb::handle page_table, nb::handle scales, nb::handle reclaimable_obj,
+                             nb::handle active_obj, nb::handle workspace_obj, std::uintptr_t stream) {
   return run_prefill(desc, memory, lengths_obj, max_length, prefill_input::key_diff, nb::none(), nb::none(), 1.0f,
-                     kvevict::lse_base::natural, 0, kvevict::snap_pooling::max, layout, k, v, page_table, reclaimable_obj, active_obj, workspace_obj, stream);
+                     kvevict::lse_base::natural, 0, kvevict::snap_pooling::max, layout, k, v, page_table, scales,
+                     reclaimable_obj, active_obj, workspace_obj, stream);
 }
 
 /// exact_greedy's batched prefill (kvevict/batch/prefill_exact_greedy.hpp,
@@ -196,14 +201,14 @@ std::size_t prefill_key_diff(const Descriptor& desc, nb::handle memory, nb::hand
 /// The library refuses a state without a history (not exact_greedy's).
 void prefill_exact_greedy(const Descriptor& desc, nb::handle memory, nb::handle lengths_obj, std::int32_t max_length,
                           nb::handle q_obj, nb::handle lse_obj, float scale, kvevict::lse_base base_code,
-                          cache_layout layout, nb::handle k, nb::handle v, nb::handle page_table,
+                          cache_layout layout, nb::handle k, nb::handle v, nb::handle page_table, nb::handle scales,
                           nb::handle reclaimable_obj, nb::handle active_obj, std::uintptr_t stream) {
   (void)stream;
   const char* call = "prefill";
   const state_ref st = resolve_state(desc, memory, call);
   if (st.dev.cuda())
     fail_arg(call, "state", "is on a CUDA device: exact_greedy's prefill runs on the host (the CUDA backend has none)");
-  const any_cache cache = parse_cache(layout, k, v, page_table, st, call);
+  const any_cache cache = parse_cache(layout, k, v, page_table, scales, st, call);
   const kvevict::active_set active = parse_active(active_obj, st, call);
   const kvevict::prompt_lengths prompts = parse_prompts(lengths_obj, max_length, st, call);
   std::int32_t* reclaimable = int32_output(reclaimable_obj, st.dev, std::size_t(st.view.num_seqs()), call,
@@ -227,17 +232,17 @@ void bind_prefill(nb::module_& m) {
   const auto none = nb::none();
   m.def("prefill", &prefill, "desc"_a, "state"_a, "lengths"_a, "max_length"_a, "input"_a, "x"_a.none(),
         "lse"_a.none(), "scale"_a, "base"_a, "layout"_a, "k_cache"_a, "v_cache"_a, "page_table"_a.none(),
-        "reclaimable_pages"_a.none(), "active"_a = none, "workspace"_a = none, "stream"_a = 0);
+        "scales"_a.none(), "reclaimable_pages"_a.none(), "active"_a = none, "workspace"_a = none, "stream"_a = 0);
   m.def("prefill_snapkv", &prefill_snapkv, "desc"_a, "state"_a, "lengths"_a, "max_length"_a, "input"_a, "x"_a,
         "lse"_a.none(), "scale"_a, "base"_a, "pool_width"_a, "pooling"_a, "layout"_a, "k_cache"_a, "v_cache"_a,
-        "page_table"_a.none(), "reclaimable_pages"_a.none(), "active"_a = none, "workspace"_a = none,
+        "page_table"_a.none(), "scales"_a.none(), "reclaimable_pages"_a.none(), "active"_a = none, "workspace"_a = none,
         "stream"_a = 0);
   m.def("prefill_key_diff", &prefill_key_diff, "desc"_a, "state"_a, "lengths"_a, "max_length"_a, "layout"_a,
-        "k_cache"_a, "v_cache"_a, "page_table"_a.none(), "reclaimable_pages"_a.none(), "active"_a = none,
-        "workspace"_a = none, "stream"_a = 0);
+        "k_cache"_a, "v_cache"_a, "page_table"_a.none(), "scales"_a.none(), "reclaimable_pages"_a.none(),
+        "active"_a = none, "workspace"_a = none, "stream"_a = 0);
   m.def("prefill_exact_greedy", &prefill_exact_greedy, "desc"_a, "state"_a, "lengths"_a, "max_length"_a,
         "queries"_a, "lse"_a.none(), "scale"_a, "base"_a, "layout"_a, "k_cache"_a, "v_cache"_a,
-        "page_table"_a.none(), "reclaimable_pages"_a.none(), "active"_a = none, "stream"_a = 0);
+        "page_table"_a.none(), "scales"_a.none(), "reclaimable_pages"_a.none(), "active"_a = none, "stream"_a = 0);
 }
 
 }  // namespace kvevict_py

@@ -34,8 +34,8 @@ class SequencePolicy {
                                          parse_base(base, "observe")});
   }
   /// Key norms of sequence b's cached keys (k_cache in `layout`, as the batched calls take it).
-  void observe_key_norms(std::int32_t b, cache_layout layout, nb::handle k, nb::handle page_table) {
-    const any_cache cache = parse_keys(layout, k, page_table, device{}, p_.shape().capacity, "observe");
+  void observe_key_norms(std::int32_t b, cache_layout layout, nb::handle k, nb::handle page_table, nb::handle scales) {
+    const any_cache cache = parse_keys(layout, k, page_table, scales, device{}, p_.shape().capacity, "observe");
     visit_cache(cache, [&](auto view) {
       using V = decltype(view);
       p_.observe(b, kvevict::key_norms<typename V::element_type, typename V::layout_type>{view});
@@ -43,8 +43,8 @@ class SequencePolicy {
   }
   /// KeyDiff: each occupied slot's score becomes -cos(k, the running anchor
   /// of b's cached keys). Only h2o_policy has it, as for the prefill.
-  void observe_key_diff(std::int32_t b, cache_layout layout, nb::handle k, nb::handle page_table) {
-    const any_cache cache = parse_keys(layout, k, page_table, device{}, p_.shape().capacity, "observe");
+  void observe_key_diff(std::int32_t b, cache_layout layout, nb::handle k, nb::handle page_table, nb::handle scales) {
+    const any_cache cache = parse_keys(layout, k, page_table, scales, device{}, p_.shape().capacity, "observe");
     if constexpr (std::is_same_v<Policy, kvevict::h2o_policy>) {
       visit_cache(cache, [&](auto view) {
         using V = decltype(view);
@@ -72,8 +72,9 @@ class SequencePolicy {
   /// cache (k, v in `layout`, as the batched calls take them): the kept
   /// rows move to slots [0, kept). Returns (kept, reclaimable_pages).
   std::pair<std::int32_t, std::int32_t> prefill_key_norms(std::int32_t b, std::int32_t length, cache_layout layout,
-                                                          nb::handle k, nb::handle v, nb::handle page_table) {
-    const any_cache cache = parse_cache(layout, k, v, page_table, device{}, p_.shape().capacity, "prefill");
+                                                          nb::handle k, nb::handle v, nb::handle page_table,
+                                                          nb::handle scales) {
+    const any_cache cache = parse_cache(layout, k, v, page_table, scales, device{}, p_.shape().capacity, "prefill");
     return visit_cache(cache, [&](auto view) {
       using V = decltype(view);
       const kvevict::prefill_result r =
@@ -88,9 +89,10 @@ class SequencePolicy {
   /// policies take no KeyDiff input); the others are refused here, after
   /// the cache's checks.
   std::pair<std::int32_t, std::int32_t> prefill_key_diff(std::int32_t b, std::int32_t length, cache_layout layout,
-                                                         nb::handle k, nb::handle v, nb::handle page_table) {
+                                                         nb::handle k, nb::handle v, nb::handle page_table,
+                                                         nb::handle scales) {
     const char* call = "prefill";
-    const any_cache cache = parse_cache(layout, k, v, page_table, device{}, p_.shape().capacity, call);
+    const any_cache cache = parse_cache(layout, k, v, page_table, scales, device{}, p_.shape().capacity, call);
     if constexpr (std::is_same_v<Policy, kvevict::h2o_policy>) {
       return visit_cache(cache, [&](auto view) {
         using V = decltype(view);
@@ -116,13 +118,13 @@ class SequencePolicy {
                                                        nb::handle x_obj, nb::handle lse_obj, float scale,
                                                        kvevict::lse_base base_code, std::int32_t pool_width,
                                                        kvevict::snap_pooling pooling, cache_layout layout, nb::handle k,
-                                                       nb::handle v, nb::handle page_table) {
+                                                       nb::handle v, nb::handle page_table, nb::handle scales) {
     const char* call = "prefill";
     if (!is_window(input))
       fail_arg(call, "input",
                concat("= ", prefill_input_name(input), " is not window_probs, window_logits or window_queries"));
     const int which = input == prefill_input::window_probs ? 0 : input == prefill_input::window_logits ? 1 : 2;
-    const any_cache cache = parse_cache(layout, k, v, page_table, device{}, p_.shape().capacity, call);
+    const any_cache cache = parse_cache(layout, k, v, page_table, scales, device{}, p_.shape().capacity, call);
     any_array x;
     kvevict::tensor_view<const float, 2> lse;
     if (which == 2) {
@@ -147,7 +149,8 @@ class SequencePolicy {
         } else if (x.type == elem::f32) {
           r = p_.prefill(b, length, kvevict::window_queries<float>{x.view<float, 3>(), lse, scale, base, snap}, view);
         } else {
-          r = p_.prefill(b, length, kvevict::window_queries<T>{x.view<T, 3>(), lse, scale, base, snap}, view);
+          r = p_.prefill(b, length, kvevict::window_queries<own_query_t<T>>{x.view<own_query_t<T>, 3>(), lse, scale,
+                                                                            base, snap}, view);
         }
         return std::pair<std::int32_t, std::int32_t>{r.kept, r.reclaimable_pages};
       });
@@ -233,23 +236,25 @@ void bind_sequence_policy(nb::module_& m, const char* name, const char* doc) {
       .def("observe_head_scores", &S::observe_head_scores, "b"_a, "scores"_a)
       .def("observe_logits", &S::observe_logits, "b"_a, "logits"_a, "lse"_a, "scale"_a = 1.0f,
            "base"_a = kvevict::lse_base::natural)
-      .def("observe_key_norms", &S::observe_key_norms, "b"_a, "layout"_a, "k_cache"_a, "page_table"_a.none() = nb::none(),
+      .def("observe_key_norms", &S::observe_key_norms, "b"_a, "layout"_a, "k_cache"_a,
+           "page_table"_a.none() = nb::none(), "scales"_a.none() = nb::none(),
            "Sets each occupied slot's score to -||k|| of its cached key (k_cache in `layout`).")
-      .def("observe_key_diff", &S::observe_key_diff, "b"_a, "layout"_a, "k_cache"_a, "page_table"_a.none() = nb::none(),
+      .def("observe_key_diff", &S::observe_key_diff, "b"_a, "layout"_a, "k_cache"_a,
+           "page_table"_a.none() = nb::none(), "scales"_a.none() = nb::none(),
            "KeyDiff (h2o): sets each occupied slot's score to -cos(k, the running anchor of the cached keys).")
       .def("skip_observe", &S::skip_observe, "b"_a)
       .def("evict", &S::evict, "b"_a, "Frees one victim slot per KV head above the budget; returns the freed slots (-1: none).")
       .def("prefill_key_norms", &S::prefill_key_norms, "b"_a, "length"_a, "layout"_a, "k_cache"_a, "v_cache"_a,
-           "page_table"_a.none() = nb::none(),
+           "page_table"_a.none() = nb::none(), "scales"_a.none() = nb::none(),
            "Compresses the prompt in slots [0, length) by its key norms, moving the kept K/V rows to slots [0, kept); "
            "returns (kept, reclaimable_pages).")
       .def("prefill_key_diff", &S::prefill_key_diff, "b"_a, "length"_a, "layout"_a, "k_cache"_a, "v_cache"_a,
-           "page_table"_a.none() = nb::none(),
+           "page_table"_a.none() = nb::none(), "scales"_a.none() = nb::none(),
            "KeyDiff prefill (h2o): the prompt in slots [0, length) scored by -cos(k_p, the sum of its head's unit "
            "keys); the kept K/V rows move to slots [0, kept). Returns (kept, reclaimable_pages).")
       .def("prefill_snapkv", &S::prefill_snapkv, "b"_a, "length"_a, "input"_a, "x"_a, "lse"_a.none(), "scale"_a,
            "base"_a, "pool_width"_a, "pooling"_a, "layout"_a, "k_cache"_a, "v_cache"_a,
-           "page_table"_a.none() = nb::none(),
+           "page_table"_a.none() = nb::none(), "scales"_a.none() = nb::none(),
            "SnapKV prefill (h2o): the prompt in slots [0, length) scored by its last `window` rows' attention "
            "(input window_probs, window_logits + lse, window_queries + lse), pooled; the kept K/V rows move to slots [0, kept). "
            "Returns (kept, reclaimable_pages).")

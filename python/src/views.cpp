@@ -32,6 +32,9 @@ std::string dtype_name(const nb::dlpack::dtype& t) {
     case nb::dlpack::dtype_code::Bfloat: kind = "bfloat"; break;
     case nb::dlpack::dtype_code::Complex: kind = "complex"; break;
     case nb::dlpack::dtype_code::Bool: kind = "bool"; break;
+    case nb::dlpack::dtype_code::Float8_E4M3FN: return "float8_e4m3fn";
+    case nb::dlpack::dtype_code::Float8_E5M2: return "float8_e5m2";
+    default: break;
   }
   return concat(kind, int(t.bits), t.lanes != 1 ? concat("x", int(t.lanes)) : std::string());
 }
@@ -96,8 +99,34 @@ const char* layout_dims(cache_layout kind) noexcept {
 
 /// The cache view of (layout, k, v, page_table) on `dev`, for a policy of
 /// `state_capacity` slots per head.
-any_cache parse_cache(cache_layout layout, nb::handle k_obj, nb::handle v_obj, nb::handle table_obj, const device& dev,
-                      std::int32_t state_capacity, const char* call) {
+/// The scales of an fp8 cache: float32 [2][1] (one K and one V scale per
+/// layer) or [2][num_kv_heads] (per KV head), contiguous, on the cache's
+/// device; required for an fp8 cache, refused for any other (its values
+/// are its elements). Their values are checked by the calls that read keys.
+void parse_scales(any_cache& c, nb::handle obj, const device& dev, const char* call) {
+  if (!is_fp8(c.type)) {
+    if (!obj.is_none())
+      fail_arg(call, "scales", concat("are given for a ", elem_name(c.type), " cache: scales belong to fp8 caches"));
+    return;
+  }
+  if (obj.is_none())
+    fail_arg(call, "scales", concat("are required for an ", elem_name(c.type),
+                                    " cache (a code's value is code x scale): CacheView(..., k_scale=, v_scale=)"));
+  const in_array a = as_array<in_array>(obj, call, "scales");
+  require_device(a, dev, call, "scales");
+  require_rank(a, 2, call, "scales", "[2][1 or num_kv_heads] (K's row, then V's)");
+  require_dtype(a, nb::dlpack::dtype_code::Float, 32, call, "scales");
+  require_contiguous(a, call, "scales");
+  const std::size_t n = a.shape(1);
+  if (a.shape(0) != 2 || (n != 1 && n != std::size_t(c.num_heads)))
+    fail_arg(call, "scales", concat("has shape [", a.shape(0), "][", n, "], expected [2][1] or [2][", c.num_heads,
+                                    "] (num_kv_heads)"));
+  const float* k = static_cast<const float*>(a.data());
+  c.scales = kvevict::kv_scales{k, k + n, n > 1 ? 1 : 0};
+}
+
+any_cache parse_cache(cache_layout layout, nb::handle k_obj, nb::handle v_obj, nb::handle table_obj,
+                      nb::handle scales_obj, const device& dev, std::int32_t state_capacity, const char* call) {
   const cache_layout kind = parse_layout(layout, call);
   const char* dims = layout_dims(kind);
   out_array k = as_array<out_array>(k_obj, call, "k_cache");
@@ -118,13 +147,14 @@ any_cache parse_cache(cache_layout layout, nb::handle k_obj, nb::handle v_obj, n
   }
   any_cache c = describe_cache(kind, k, type, table_obj, dev, state_capacity, call);
   c.v = v.data();
+  parse_scales(c, scales_obj, dev, call);
   return c;
 }
 
-/// The cache view of (layout, k, v, page_table) for a batched state.
+/// The cache view of (layout, k, v, page_table, scales) for a batched state.
 any_cache parse_cache(cache_layout layout, nb::handle k_obj, nb::handle v_obj, nb::handle table_obj,
-                      const state_ref& st, const char* call) {
-  return parse_cache(layout, k_obj, v_obj, table_obj, st.dev, st.view.capacity(), call);
+                      nb::handle scales_obj, const state_ref& st, const char* call) {
+  return parse_cache(layout, k_obj, v_obj, table_obj, scales_obj, st.dev, st.view.capacity(), call);
 }
 
 /// The cache view of (layout, k, page_table) for a call that reads the keys
@@ -132,8 +162,8 @@ any_cache parse_cache(cache_layout layout, nb::handle k_obj, nb::handle v_obj, n
 /// the key-norm path never reads but validates (non-null, disjoint from K):
 /// it is given the address one past the last element of K, which lies
 /// outside K's rows and is never dereferenced.
-any_cache parse_keys(cache_layout layout, nb::handle k_obj, nb::handle table_obj, const device& dev,
-                     std::int32_t state_capacity, const char* call) {
+any_cache parse_keys(cache_layout layout, nb::handle k_obj, nb::handle table_obj, nb::handle scales_obj,
+                     const device& dev, std::int32_t state_capacity, const char* call) {
   const cache_layout kind = parse_layout(layout, call);
   const in_array k = as_array<in_array>(k_obj, call, "k_cache");
   require_device(k, dev, call, "k_cache");
@@ -145,8 +175,9 @@ any_cache parse_keys(cache_layout layout, nb::handle k_obj, nb::handle table_obj
     if (k.shape(d) == 0) span = 0;
     if (span) span += (static_cast<std::int64_t>(k.shape(d)) - 1) * k.stride(d);
   }
-  const std::size_t bytes = static_cast<std::size_t>(span) * (type == elem::f32 ? 4 : 2);
+  const std::size_t bytes = static_cast<std::size_t>(span) * elem_bytes(type);
   c.v = c.k ? static_cast<void*>(static_cast<unsigned char*>(c.k) + bytes) : nullptr;
+  parse_scales(c, scales_obj, dev, call);
   return c;
 }
 
@@ -176,41 +207,51 @@ kvevict::snap_window parse_snap(std::int32_t rows, std::int32_t pool_width, kvev
 
 namespace {
 
-/// ml_dtypes' bfloat16 NumPy arrays have no DLPack dtype NumPy can export;
-/// this views their bits (a uint16 array) as bfloat16, zero-copy, writable
-/// when the array is.
+/// ml_dtypes' bfloat16 and float8 NumPy arrays have no DLPack dtype NumPy
+/// can export; this views their bits (a uint16 or uint8 array) as `type`,
+/// zero-copy, writable when the array is.
 template <class A>
-nb::object bfloat16_view(const A& a, nb::handle owner) {
+nb::object typed_view(const A& a, nb::handle owner, nb::dlpack::dtype type) {
   std::vector<std::size_t> shape(a.ndim());
   std::vector<std::int64_t> strides(a.ndim());
   for (std::size_t d = 0; d < a.ndim(); ++d) {
     shape[d] = a.shape(d);
     strides[d] = a.stride(d);
   }
-  const nb::dlpack::dtype bf16{std::uint8_t(nb::dlpack::dtype_code::Bfloat), 16, 1};
   // array_api: a nanobind array object with __dlpack__ and the buffer protocol.
   using R = std::conditional_t<std::is_same_v<A, out_array>, nb::ndarray<nb::array_api>,
                                nb::ndarray<nb::array_api, nb::ro>>;
   return nb::cast(R(const_cast<void*>(static_cast<const void*>(a.data())), a.ndim(), shape.data(), owner,
-                    strides.data(), bf16, a.device_type(), a.device_id()));
+                    strides.data(), type, a.device_type(), a.device_id()));
+}
+
+/// The bits array `obj` (uint of type's width) viewed as `type`.
+nb::object as_typed(nb::handle obj, nb::dlpack::dtype type, const char* call) {
+  out_array w;
+  if (nb::try_cast(obj, w, false)) {
+    require_dtype(w, nb::dlpack::dtype_code::UInt, type.bits, call, "array");
+    return typed_view(w, obj, type);
+  }
+  const in_array r = as_array<in_array>(obj, call, "array");
+  require_dtype(r, nb::dlpack::dtype_code::UInt, type.bits, call, "array");
+  return typed_view(r, obj, type);
 }
 
 nb::object as_bfloat16(nb::handle obj) {
-  const char* call = "as_bfloat16";
-  out_array w;
-  if (nb::try_cast(obj, w, false)) {
-    require_dtype(w, nb::dlpack::dtype_code::UInt, 16, call, "array");
-    return bfloat16_view(w, obj);
-  }
-  const in_array r = as_array<in_array>(obj, call, "array");
-  require_dtype(r, nb::dlpack::dtype_code::UInt, 16, call, "array");
-  return bfloat16_view(r, obj);
+  return as_typed(obj, {std::uint8_t(nb::dlpack::dtype_code::Bfloat), 16, 1}, "as_bfloat16");
+}
+
+/// e5m2: float8_e5m2, else float8_e4m3fn.
+nb::object as_float8(nb::handle obj, bool e5m2) {
+  const auto code = e5m2 ? nb::dlpack::dtype_code::Float8_E5M2 : nb::dlpack::dtype_code::Float8_E4M3FN;
+  return as_typed(obj, {std::uint8_t(code), 8, 1}, "as_float8");
 }
 
 }  // namespace
 
 void bind_views(nb::module_& m) {
   m.def("as_bfloat16", &as_bfloat16, "array"_a);
+  m.def("as_float8", &as_float8, "array"_a, "e5m2"_a);
 }
 
 }  // namespace kvevict_py

@@ -82,19 +82,28 @@ template <class T, class Layout>
 struct device_cache {
   device_buffer<T> k, v;
   device_buffer<std::int32_t> page_table;
+  device_buffer<float> k_scales, v_scales;  // an fp8 cache's, in device memory as the kernels read them
   kvevict::kv_view<T, Layout> view;
 
   explicit device_cache(const kvevict::kv_view<T, Layout>& host)
       : k(std::vector<T>(host.k, host.k + span_elements(host))),
         v(std::vector<T>(host.v, host.v + span_elements(host))),
         page_table(page_entries(host)),
+        k_scales(scales_of(host, host.scales.k)),
+        v_scales(scales_of(host, host.scales.v)),
         view(host) {
     view.k = k.get();
     view.v = v.get();
+    if (host.scales.k) view.scales.k = k_scales.get();
+    if (host.scales.v) view.scales.v = v_scales.get();
     if constexpr (std::is_same_v<Layout, kvevict::paged_layout>) {
       page_table.upload(std::vector<std::int32_t>(host.layout.page_table, host.layout.page_table + page_entries(host)));
       view.layout.page_table = page_table.get();
     }
+  }
+  static std::vector<float> scales_of(const kvevict::kv_view<T, Layout>& host, const float* scales) {
+    if (!scales) return {0.0f};
+    return std::vector<float>(scales, scales + host.scales.count(host.num_heads));
   }
   static std::size_t page_entries(const kvevict::kv_view<T, Layout>& host) {
     if constexpr (std::is_same_v<Layout, kvevict::paged_layout>)

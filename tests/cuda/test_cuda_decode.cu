@@ -151,10 +151,9 @@ void observe(P& p, input_kind kind, const kvtest::batch_dims& dm, const float* p
     case input_kind::logits:
       p.observe_evict(batch_logits{make_tensor_view<const float>(logits, B, Hq, W), lse_view, scale}, active, victims);
       break;
-    case input_kind::queries:  // fp8 keys need their scales (a compile-time refusal); never asked for
-      if constexpr (!is_fp8_v<typename View::element_type>)
-        p.observe_evict(batch_queries<float>{make_tensor_view<const float>(q, B, Hq, D), lse_view, scale}, cache,
-                        active, victims);
+    case input_kind::queries:  // an fp8 cache's keys are code x its per-head scales (support/caches.hpp)
+      p.observe_evict(batch_queries<float>{make_tensor_view<const float>(q, B, Hq, D), lse_view, scale}, cache, active,
+                      victims);
       break;
   }
 }
@@ -289,10 +288,8 @@ void run_policy(const char* name, int seeds_per_combo) {
             else run_stream<Policy, T, owning_device_policy<Policy>>(seed, layout, group, kind, equal, tot);
           };
           // The dtype cycles over the seeds that run, so quick mode (the sanitizer
-          // runs) covers half and bfloat16 too; fp8 caches with the inputs that
-          // do not read keys.
-          const int dtypes = kind == input_kind::queries ? 3 : 5;
-          switch ((seed / stride) % dtypes) {
+          // runs) covers half, bfloat16 and fp8 too.
+          switch ((seed / stride) % 5) {
             case 0: run(float{}); break;
             case 1: run(kvevict::half{}); break;
             case 2: run(kvevict::bfloat16{}); break;
@@ -442,7 +439,8 @@ void run_split(std::uint32_t seed, input_kind kind, layout_kind layout) {
 /// (several blocks each) filled at the start (KeyDiff's anchors then start
 /// stale: the first step counts every key); at step `bad` a NaN goes into
 /// an occupied key of (0, 0) in both caches, a non_finite_kv that leaves
-/// that head unchanged.
+/// that head unchanged (an fp8 cache on odd seeds: head 0's K scale
+/// becomes 0, a bad_kv_scale, read from device memory).
 template <class T, bool KeyDiff>
 void run_key_scores(std::uint32_t seed, layout_kind layout, std::int32_t group, bool long_rows) {
   CAPTURE(KeyDiff);
@@ -492,7 +490,7 @@ void run_key_scores(std::uint32_t seed, layout_kind layout, std::int32_t group, 
                  batch_rows<T>{make_tensor_view<const T>(st.v_new.data(), B, H, D)}, st.active_set());
       dev.append(dcache.view, batch_rows<T>{make_tensor_view<const T>(ds.k_new.get(), B, H, D)},
                  batch_rows<T>{make_tensor_view<const T>(ds.v_new.get(), B, H, D)}, ds.active(st));
-      if (step == bad) {  // an occupied slot of (0, 0), in both caches
+      if (step == bad && !(is_fp8_v<T> && seed % 2 == 1)) {  // an occupied slot of (0, 0), in both caches
         const std::int32_t s = std::int32_t(rng() % std::uint32_t(std::max(1, ref.state().slots.counts[0])));
         view.k_row(0, 0, s)[3] = from_float<T>(std::nanf(""));
         // The same element offset in the device copy (its k_row would read
@@ -503,11 +501,22 @@ void run_key_scores(std::uint32_t seed, layout_kind layout, std::int32_t group, 
       std::vector<std::int32_t> want(std::size_t(B) * H, -7);
       KVTEST_CUDA(cudaMemcpy(victims.get(), want.data(), want.size() * 4, cudaMemcpyHostToDevice));
       using Input = std::conditional_t<KeyDiff, key_diff<T, L>, key_norms<T, L>>;
-      ref.observe_evict(Input{view}, st.active_set(), want.data());
-      dev.observe_evict(Input{dcache.view}, ds.active(st), victims.get());
+      auto host_view = view;
+      auto device_view = dcache.view;
+      const bool bad_scale = is_fp8_v<T> && seed % 2 == 1 && step == bad;
+      const std::vector<float> zero_scales(std::size_t(H), 0.0f);
+      const device_buffer<float> zero_on_device(zero_scales);
+      if (bad_scale) {  // head 0's K scale is 0 (per-head scales: support/caches.hpp)
+        host_view.scales.k = zero_scales.data();
+        device_view.scales.k = zero_on_device.get();
+      }
+      ref.observe_evict(Input{host_view}, st.active_set(), want.data());
+      dev.observe_evict(Input{device_view}, ds.active(st), victims.get());
       CHECK(victims.download() == want);
       CHECK(dev.status_word() == ref.status_word());
-      if (step == bad && st.active(0)) CHECK(batch_status::unpack(ref.status_word()).code == batch_code::non_finite_kv);
+      if (step == bad && st.active(0))
+        CHECK(batch_status::unpack(ref.status_word()).code ==
+              (bad_scale ? batch_code::bad_kv_scale : batch_code::non_finite_kv));
       for (std::int32_t x : want) evictions += x >= 0;
       mirror.read(dev.state());
       kvtest::check_same_state(ref.state(), mirror.view);
@@ -543,7 +552,7 @@ TEST_CASE("cuda split rows: several blocks per row, every input kind and policy,
       }
 }
 
-TEST_CASE("cuda key_norms equals the host backend bit for bit: short and split rows, every dtype, a NaN key") {
+TEST_CASE("cuda key_norms equals the host backend bit for bit: short and split rows, every dtype, a NaN key or scale") {
   // One instantiation per dtype x layout kind (strided, paged): bhsd and
   // paged_hnd; GQA 1 and 4 (the group plays no part in the score).
   std::uint32_t seed = 1;
@@ -551,25 +560,27 @@ TEST_CASE("cuda key_norms equals the host backend bit for bit: short and split r
   for (const layout_kind layout : {layout_kind::bhsd, layout_kind::paged_hnd})
     for (const std::int32_t group : {1, 4})
       for (const bool long_rows : {false, true})
-        for (int dtype = 0; dtype < 3; ++dtype, ++seed) {
+        for (int dtype = 0; dtype < 4; ++dtype, ++seed) {
           if (seed % stride != 0) continue;
           if (dtype == 0) run_key_scores<float, false>(seed, layout, group, long_rows);
           else if (dtype == 1) run_key_scores<kvevict::half, false>(seed, layout, group, long_rows);
-          else run_key_scores<kvevict::bfloat16, false>(seed, layout, group, long_rows);
+          else if (dtype == 2) run_key_scores<kvevict::bfloat16, false>(seed, layout, group, long_rows);
+          else run_key_scores<kvevict::fp8_e4m3, false>(seed, layout, group, long_rows);
         }
 }
 
-TEST_CASE("cuda KeyDiff decode equals the host backend bit for bit: anchors, short and split rows, a NaN key") {
+TEST_CASE("cuda KeyDiff decode equals the host backend bit for bit: anchors, split rows, a bad key or scale") {
   std::uint32_t seed = 101;
   const int stride = kvtest::quick_stride(1);
   for (const layout_kind layout : {layout_kind::bhsd, layout_kind::paged_hnd})
     for (const std::int32_t group : {1, 4})
       for (const bool long_rows : {false, true})
-        for (int dtype = 0; dtype < 3; ++dtype, ++seed) {
+        for (int dtype = 0; dtype < 4; ++dtype, ++seed) {
           if (seed % stride != 0) continue;
           if (dtype == 0) run_key_scores<float, true>(seed, layout, group, long_rows);
           else if (dtype == 1) run_key_scores<kvevict::half, true>(seed, layout, group, long_rows);
-          else run_key_scores<kvevict::bfloat16, true>(seed, layout, group, long_rows);
+          else if (dtype == 2) run_key_scores<kvevict::bfloat16, true>(seed, layout, group, long_rows);
+          else run_key_scores<kvevict::fp8_e4m3, true>(seed, layout, group, long_rows);
         }
 }
 

@@ -107,10 +107,11 @@ TEST_CASE("cuda exact_greedy equals the host backend bit for bit") {
         CAPTURE(seed);
         CAPTURE(std::string(kvtest::name(layout)));
         CAPTURE(group);
-        switch ((seed / stride) % 3) {  // over the seeds that run: every dtype in quick mode too
+        switch ((seed / stride) % 4) {  // over the seeds that run: every dtype in quick mode too
           case 0: evictions += run_stream<float>(seed, layout, group); break;
           case 1: evictions += run_stream<kvevict::half>(seed, layout, group); break;
-          default: evictions += run_stream<kvevict::bfloat16>(seed, layout, group); break;
+          case 2: evictions += run_stream<kvevict::bfloat16>(seed, layout, group); break;
+          default: evictions += run_stream<kvevict::fp8_e5m2>(seed, layout, group); break;  // K and V x their scales
         }
       }
   MESSAGE(streams, " streams, ", evictions, " exact_greedy evictions compared");

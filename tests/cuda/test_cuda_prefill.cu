@@ -310,7 +310,7 @@ void run_policy(const char* policy_name, std::initializer_list<prefill_input> ki
   for (prefill_input kind : kinds)
     for (layout_kind layout : kvtest::all_layouts)
       for (std::int32_t group : {1, 4, 8})
-        for (int dtype = 0; dtype < 3; ++dtype)
+        for (int dtype = 0; dtype < 4; ++dtype)
           for (int i = 0; i < seeds; ++i, ++seed) {
             if (seed % stride != 0) continue;
             CAPTURE(seed);
@@ -325,10 +325,11 @@ void run_policy(const char* policy_name, std::initializer_list<prefill_input> ki
                 if (float_queries) run_case<Policy, kvevict::half, float>(seed, layout, group, kind, tot);
                 else run_case<Policy, kvevict::half, kvevict::half>(seed, layout, group, kind, tot);
                 break;
-              default:
+              case 2:
                 if (float_queries) run_case<Policy, bfloat16, float>(seed, layout, group, kind, tot);
                 else run_case<Policy, bfloat16, bfloat16>(seed, layout, group, kind, tot);
                 break;
+              default: run_case<Policy, fp8_e4m3, float>(seed, layout, group, kind, tot); break;  // per-head scales
             }
           }
   MESSAGE(std::string(policy_name), ": ", tot.calls, " calls (", tot.bad_calls, " with bad data), ", tot.compressed,
@@ -572,7 +573,7 @@ void run_key_scored_prefill(std::uint32_t seed, Config config_for, float poison)
   const int stride = kvtest::quick_stride(1);
   for (const layout_kind layout : {layout_kind::bhsd, layout_kind::paged_hnd})
     for (const std::int32_t g : {1, 4})
-      for (int dtype = 0; dtype < 3; ++dtype, ++seed) {
+      for (int dtype = 0; dtype < 4; ++dtype, ++seed) {
         if (seed % stride != 0) continue;
         const auto run = [&](auto tag) {
           using T = decltype(tag);
@@ -623,7 +624,8 @@ void run_key_scored_prefill(std::uint32_t seed, Config config_for, float poison)
         };
         if (dtype == 0) run(float{});
         else if (dtype == 1) run(kvevict::half{});
-        else run(kvevict::bfloat16{});
+        else if (dtype == 2) run(kvevict::bfloat16{});
+        else run(kvevict::fp8_e5m2{});  // e5m2 has infinities; per-head scales
       }
 }
 
@@ -677,7 +679,7 @@ TEST_CASE("cuda SnapKV prefill equals the host's for probs, logits + LSE and que
   const int stride = kvtest::quick_stride(1);
   for (const layout_kind layout : {layout_kind::bhsd, layout_kind::paged_hnd})
     for (const std::int32_t g : {1, 4})
-      for (int dtype = 0; dtype < 3; ++dtype)
+      for (int dtype = 0; dtype < 4; ++dtype)
         for (int input = 0; input < 3; ++input, ++seed) {
           if (seed % stride != 0) continue;
           const auto run = [&](auto tag) {
@@ -762,6 +764,7 @@ TEST_CASE("cuda SnapKV prefill equals the host's for probs, logits + LSE and que
           };
           if (dtype == 0) run(float{});
           else if (dtype == 1) run(kvevict::half{});
-          else run(kvevict::bfloat16{});
+          else if (dtype == 2) run(kvevict::bfloat16{});
+          else run(kvevict::fp8_e4m3{});
         }
 }

@@ -41,9 +41,9 @@ def test_inputs_are_checked_before_a_launch():
         _ext.observe_evict(desc, state, 2, FakeCudaArray((B, HQ, C)), FakeCudaArray((B, HQ)), -1.0, 0, None)
     k, v = fake_cache()
     with pytest.raises(kv.InvalidArgument, match=r"argument 'k_new.extents\[2\]' = 8, expected 16"):
-        _ext.append_kv(desc, state, 0, k, v, None, FakeCudaArray((B, H, 8), "bfloat16"), FakeCudaArray((B, H, 8), "bfloat16"))
+        _ext.append_kv(desc, state, 0, k, v, None, None, FakeCudaArray((B, H, 8), "bfloat16"), FakeCudaArray((B, H, 8), "bfloat16"))
     with pytest.raises(kv.BudgetError, match=r"kvevict::cuda::evict_to: argument 'target' = 1 is outside"):
-        _ext.evict_to(desc, state, 1, 0, k, v, None, None, None, 1.0, 0, None)
+        _ext.evict_to(desc, state, 1, 0, k, v, None, None, None, None, 1.0, 0, None)
     with pytest.raises(kv.OutOfRange, match=r"argument 'tokens' = 9 is outside \[1, capacity = 8\]"):
         _ext.append_tokens(desc, state, 9)
 
@@ -56,7 +56,7 @@ def test_device_mismatches_are_refused():
         _ext.append(desc, state, np.array([0], np.int32))
     k, v = fake_cache()
     with pytest.raises(kv.InvalidArgument, match=r"'k_new' is on cpu"):
-        _ext.append_kv(desc, state, 0, k, v, None, np.zeros((B, H, D), np.float32), FakeCudaArray((B, H, D), "bfloat16"))
+        _ext.append_kv(desc, state, 0, k, v, None, None, np.zeros((B, H, D), np.float32), FakeCudaArray((B, H, D), "bfloat16"))
 
 
 def test_policy_specific_checks():
@@ -65,10 +65,10 @@ def test_policy_specific_checks():
         _ext.observe_evict(desc, state, 0, FakeCudaArray((B, HQ, C)), None, 1.0, 0, None)
     k, v = fake_cache("float32")
     with pytest.raises(kv.InvalidArgument, match="exact_greedy's: its greedy evict_to re-scores"):
-        _ext.evict_to(desc, state, 4, 0, k, v, None, None, None, 1.0, 0, None)
+        _ext.evict_to(desc, state, 4, 0, k, v, None, None, None, None, 1.0, 0, None)
     desc, state = fake_state(kv.H2OConfig(3, 2))
     with pytest.raises(kv.InvalidArgument, match="belongs to h2o, whose prefill needs scores"):
-        _ext.prefill(desc, state, FakeCudaArray((B,), "int32"), 8, 3, None, None, 1.0, 0, 0, k, v, None, None)
+        _ext.prefill(desc, state, FakeCudaArray((B,), "int32"), 8, 3, None, None, 1.0, 0, 0, k, v, None, None, None)
 
 
 def test_a_valid_call_reaches_the_cuda_runtime():

@@ -118,12 +118,12 @@ def test_torch_op_and_opcheck():
         k_new = torch.from_numpy(draw_keys(rng, bias, np.float32))
         eager.append(cache=view, k_new=k_new, v_new=k_new)
         state = eager.state.clone()
-        by_op = ops.observe_evict_key_diff(state, list(eager.descriptor), keys, None, 0)
+        by_op = ops.observe_evict_key_diff(state, list(eager.descriptor), keys, None, None, 0)
         victims = eager.observe_evict_key_diff(view)
         assert torch.equal(by_op, torch.as_tensor(victims))
         assert torch.equal(state, eager.state)
     eager.append(cache=view, k_new=k_new, v_new=k_new)
-    torch.library.opcheck(ops.observe_evict_key_diff, (eager.state, list(eager.descriptor), keys, None, 0))
+    torch.library.opcheck(ops.observe_evict_key_diff, (eager.state, list(eager.descriptor), keys, None, None, 0))
 
 
 # ---- errors: the C++ messages, and nothing changes --------------------------------------------

@@ -254,7 +254,7 @@ def test_argument_errors():
         policy.observe_evict_key_norms(keys.k, layout="hnd")
     with pytest.raises(kv.InvalidArgument, match=r"'layout'/'page_table' come from the CacheView"):
         policy.observe_evict_key_norms(keys.view, layout="bshd")
-    with pytest.raises(kv.InvalidArgument, match=r"argument 'k_cache' has dtype int32, expected float32, float16 or bfloat16"):
+    with pytest.raises(kv.InvalidArgument, match=r"argument 'k_cache' has dtype int32, expected float32, float16, bfloat16, float8_e4m3fn or float8_e5m2"):
         policy.observe_evict_key_norms(keys.k.astype(np.int32))
     with pytest.raises(kv.InvalidArgument, match=r"argument 'k_cache' has 3 dimensions, expected 4"):
         policy.observe_evict_key_norms(keys.k[0])
@@ -298,9 +298,10 @@ def test_torch_op_opcheck_and_cpu_tensors():
         tp.append(cache=tview, k_new=trows, v_new=trows)
         if step == 13:  # the op itself, on a state mid-stream (paged, then strided)
             d = list(tp.descriptor)
-            torch.library.opcheck(ops.observe_evict_key_norms, (tp.state, d, tk, table, 3, None))
+            torch.library.opcheck(ops.observe_evict_key_norms, (tp.state, d, tk, table, None, 3, None))
             torch.library.opcheck(ops.observe_evict_key_norms,
-                                  (tp.state, d, torch.randn(B, H, 8, D).half(), None, 0, torch.tensor([1, 0], dtype=torch.int32)))
+                                  (tp.state, d, torch.randn(B, H, 8, D).half(), None, None, 0,
+                                   torch.tensor([1, 0], dtype=torch.int32)))
             break
         tvict = tp.observe_evict_key_norms(tview)
         nvict = npol.observe_evict_key_norms(nkeys.view)
@@ -310,11 +311,11 @@ def test_torch_op_opcheck_and_cpu_tensors():
     bad = torch.zeros(B, H, 8, D)
     bad[2, 0, 1, 0] = float("nan")
     with pytest.raises(kv.NonFiniteError, match=r"at sequence 2, head 0, index 1 \(the slot\): a K/V row is not finite"):
-        torch.ops.kvevict.observe_evict_key_norms(tp.state, list(tp.descriptor), bad, None, 0)
+        torch.ops.kvevict.observe_evict_key_norms(tp.state, list(tp.descriptor), bad, None, None, 0)
     decay = kv.BatchedPolicy(kv.H2OConfig(3, 1), B, H, 8, device="cpu")
     decay.append()
     with pytest.raises(kv.InvalidArgument, match="decay"):
-        torch.ops.kvevict.observe_evict_key_norms(decay.state, list(decay.descriptor), bad, None, 0)
+        torch.ops.kvevict.observe_evict_key_norms(decay.state, list(decay.descriptor), bad, None, None, 0)
 
 
 def test_torch_compile_traces_the_key_norm_step():
@@ -349,12 +350,12 @@ def test_cuda_checks_before_a_launch():
 
     desc, state = fake_state(kv.H2OConfig(3, 2))
     with pytest.raises(kv.InvalidArgument, match=r"kvevict::cuda::observe_evict: argument 'in' is key_norms.*decay"):
-        _ext.observe_evict_key_norms(desc, state, 0, FakeCudaArray((B, H, 8, D), "float16"), None, None)
+        _ext.observe_evict_key_norms(desc, state, 0, FakeCudaArray((B, H, 8, D), "float16"), None, None, None)
     desc, state = fake_state(kv.H2OConfig.key_norm(3, 2))
     with pytest.raises(kv.InvalidArgument, match=r"argument 'cache.num_seqs' = 1, the state has 3"):
-        _ext.observe_evict_key_norms(desc, state, 0, FakeCudaArray((1, H, 8, D), "bfloat16"), None, None)
+        _ext.observe_evict_key_norms(desc, state, 0, FakeCudaArray((1, H, 8, D), "bfloat16"), None, None, None)
     with pytest.raises(kv.InvalidArgument, match=r"'k_cache' is on cpu, the state is on cuda:0"):
-        _ext.observe_evict_key_norms(desc, state, 0, np.zeros((B, H, 8, D), np.float32), None, None)
+        _ext.observe_evict_key_norms(desc, state, 0, np.zeros((B, H, 8, D), np.float32), None, None, None)
     try:
         import torch
 
@@ -363,7 +364,7 @@ def test_cuda_checks_before_a_launch():
     except ImportError:
         pass
     with pytest.raises(kv.CudaError, match=r"kvevict::cuda: observe_evict failed: cuda"):
-        _ext.observe_evict_key_norms(desc, state, 0, FakeCudaArray((B, H, 8, D), "float32"), None, None)
+        _ext.observe_evict_key_norms(desc, state, 0, FakeCudaArray((B, H, 8, D), "float32"), None, None, None)
 
 
 @pytest.mark.parametrize("layout", ["bhsd", "paged_nhd"])

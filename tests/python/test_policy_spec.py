@@ -106,7 +106,7 @@ def test_enums_replace_the_codes():
     assert [m.name for m in _ext.DecodeInput][:3] == ["probs", "head_scores", "logits"]
     assert {m.name for m in _ext.PrefillInput} >= {"probs", "sums", "queries", "none", "key_norms", "window_probs",
                                                    "window_logits", "window_queries", "key_diff"}
-    assert [m.name for m in _ext.Elem] == ["float32", "float16", "bfloat16"]
+    assert [m.name for m in _ext.Elem] == ["float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"]
     assert [m.name for m in _ext.GroupReduce] == ["sum", "mean", "max"]
     assert kv.H2OConfig.kind == _ext.PolicyKind.h2o and kv.ExactGreedyConfig.kind == _ext.PolicyKind.exact_greedy
     # observe_evict takes a decode input it handles itself, not one that reads the cache.

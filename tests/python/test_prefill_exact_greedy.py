@@ -139,11 +139,11 @@ def test_torch_op_and_compile_route():
     by_op = kv.BatchedPolicy(config(), B, H, CAP, num_q_heads=HQ, max_tokens=16, head_dim=D, device="cpu")
     ko, vo = k.clone(), v.clone()
     reclaimable = ops.prefill_exact_greedy(by_op.state, list(by_op.descriptor), lengths, 9, q, None, SCALE, 0, ko, vo,
-                                           None, 0)
+                                           None, None, 0)
     assert reclaimable.shape == (B,) and reclaimable.dtype == torch.int32
     assert torch.equal(eager.positions, by_op.positions) and torch.equal(eager.counts, by_op.counts)
     assert torch.equal(ke, ko) and torch.equal(ve, vo)
     fresh = kv.BatchedPolicy(config(), B, H, CAP, num_q_heads=HQ, max_tokens=16, head_dim=D, device="cpu")
     torch.library.opcheck(ops.prefill_exact_greedy,
                           (fresh.state, list(fresh.descriptor), lengths, 9, q, None, SCALE, 0, k.clone(), v.clone(),
-                           None, 0))
+                           None, None, 0))

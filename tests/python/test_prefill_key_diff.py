@@ -290,7 +290,7 @@ def test_argument_errors():
         policy.prefill_key_diff(lengths, cache=cache.k)
     with pytest.raises(kv.InvalidArgument, match=r"argument 'v_cache' has dtype float16, k_cache has float32"):
         policy.prefill_key_diff(lengths, cache=kv.CacheView.bhsd(cache.k, cache.v.astype(np.float16)))
-    with pytest.raises(kv.InvalidArgument, match=r"argument 'k_cache' has dtype int32, expected float32, float16 or bfloat16"):
+    with pytest.raises(kv.InvalidArgument, match=r"argument 'k_cache' has dtype int32, expected float32, float16, bfloat16, float8_e4m3fn or float8_e5m2"):
         policy.prefill_key_diff(lengths, cache=kv.CacheView.bhsd(cache.k.astype(np.int32), cache.v.astype(np.int32)))
     with pytest.raises(kv.InvalidArgument, match=r"argument 'k_cache' has 3 dimensions, expected 4"):
         policy.prefill_key_diff(lengths, cache=kv.CacheView.bhsd(cache.k[0], cache.v[0]))
@@ -301,11 +301,11 @@ def test_argument_errors():
         policy.prefill_key_diff([7, 5, 8], cache=view_of(cache))
     with pytest.raises(kv.InvalidArgument, match=r"argument 'lengths' has dtype int64, expected int32"):
         _ext.prefill_key_diff(policy._desc, policy.state, np.array(lengths, np.int64), 8, 0, cache.k, cache.v, None,
-                              None)  # fmt: skip
+                              None, None)  # fmt: skip
     # The layout is a typed _ext.CacheLayout: a value outside it does not reach the call.
     with pytest.raises(TypeError, match=r"incompatible function arguments"):
         _ext.prefill_key_diff(policy._desc, policy.state, np.array(lengths, np.int32), 8, 9, cache.k, cache.v, None,
-                              None)  # fmt: skip
+                              None, None)  # fmt: skip
     with pytest.raises(ValueError):
         _ext.CacheLayout(9)
     with pytest.raises(kv.InvalidArgument, match=r"argument 'k_cache' is on cuda:0, the state is on cpu"):
@@ -348,10 +348,10 @@ def test_torch_op_opcheck_and_cpu_tensors():
     d = list(tp.descriptor)
     tl = torch.tensor(lengths, dtype=torch.int32)
     # opcheck on copies (it runs the op several times; each needs a fresh state)
-    torch.library.opcheck(ops.prefill_key_diff, (tp.state.clone(), d, tl, 8, tk.clone(), tv.clone(), table, 3, None))
+    torch.library.opcheck(ops.prefill_key_diff, (tp.state.clone(), d, tl, 8, tk.clone(), tv.clone(), table, None, 3, None))
     torch.library.opcheck(ops.prefill_key_diff,
                           (tp.state.clone(), d, tl, 8, torch.randn(B, H, 8, D).half(), torch.randn(B, H, 8, D).half(),
-                           None, 0, torch.tensor([1, 0, 0, 1], dtype=torch.uint8)))  # fmt: skip
+                           None, None, 0, torch.tensor([1, 0, 0, 1], dtype=torch.uint8)))  # fmt: skip
     tr = tp.prefill_key_diff(tl, cache=kv.CacheView.paged(tk, tv, table, "hnd"))
     nr = npol.prefill_key_diff(lengths, cache=view_of(ncache))
     np.testing.assert_array_equal(tr.numpy(), nr)
@@ -363,7 +363,7 @@ def test_torch_op_opcheck_and_cpu_tensors():
     bad[2, 0, 1, 0] = float("nan")
     fresh = kv.BatchedPolicy(config, B, H, 8, device="cpu")
     with pytest.raises(kv.NonFiniteError, match=r"at sequence 2, head 0, index 1 \(the slot\): a K/V row is not finite"):
-        torch.ops.kvevict.prefill_key_diff(fresh.state, list(fresh.descriptor), tl, 8, bad, torch.zeros_like(bad), None, 0)
+        torch.ops.kvevict.prefill_key_diff(fresh.state, list(fresh.descriptor), tl, 8, bad, torch.zeros_like(bad), None, None, 0)
     assert (fresh.positions[2] == -1).all() and (fresh.positions[0] >= 0).any()
 
 
@@ -401,11 +401,11 @@ def test_cuda_checks_before_a_launch():
     lengths = FakeCudaArray((B,), "int32")
     k, v = FakeCudaArray((B, H, 8, D), "float16"), FakeCudaArray((B, H, 8, D), "float16")
     with pytest.raises(kv.InvalidArgument, match=r"'k_cache' is on cpu, the state is on cuda:0"):
-        _ext.prefill_key_diff(desc, state, lengths, 8, 0, np.zeros((B, H, 8, D), np.float16), v, None, None)
+        _ext.prefill_key_diff(desc, state, lengths, 8, 0, np.zeros((B, H, 8, D), np.float16), v, None, None, None)
     wide_k, wide_v = FakeCudaArray((B, H, 8, 12289), "float16"), FakeCudaArray((B, H, 8, 12289), "float16")
     with pytest.raises(kv.InvalidArgument,
                        match=r"kvevict::cuda::prefill: argument 'in.cache.head_dim' = 12289 needs more than 48 KiB"):
-        _ext.prefill_key_diff(desc, state, lengths, 8, 0, wide_k, wide_v, None, None)
+        _ext.prefill_key_diff(desc, state, lengths, 8, 0, wide_k, wide_v, None, None, None)
     try:
         import torch
 
@@ -413,11 +413,11 @@ def test_cuda_checks_before_a_launch():
             return  # the fake arrays must not reach a real launch
     except ImportError:
         pass
-    nbytes = _ext.prefill_key_diff(desc, state, lengths, 8, 0, k, v, None, None)  # the size query
+    nbytes = _ext.prefill_key_diff(desc, state, lengths, 8, 0, k, v, None, None, None)  # the size query
     assert nbytes > 0
     workspace = FakeCudaArray((nbytes,), "uint8")
     with pytest.raises(kv.CudaError, match=r"kvevict::cuda: prefill failed: cuda"):
-        _ext.prefill_key_diff(desc, state, lengths, 8, 0, k, v, None, None, None, workspace)
+        _ext.prefill_key_diff(desc, state, lengths, 8, 0, k, v, None, None, None, None, workspace)
 
 
 @pytest.mark.parametrize("layout", ["bhsd", "paged_nhd"])

@@ -287,7 +287,7 @@ def test_argument_errors():
                                                  r"or key_norms"):
         _ext.prefill(policy._desc, policy.state, np.array([7, 5, 8, 6], np.int32), 8, _ext.PrefillInput.window_probs,
                      None, None, 1.0, 0, 0,
-                     cache.k, cache.v, None, None)  # fmt: skip
+                     cache.k, cache.v, None, None, None)  # fmt: skip
     single = kv.SequencePolicy(kv.H2OConfig.key_norm(3, 2), B, H, 8)
     with pytest.raises(kv.InvalidArgument, match=r"argument 'v_cache' is required"):
         single.prefill_key_norms(0, 7, cache.k)
@@ -323,10 +323,10 @@ def test_torch_op_opcheck_and_cpu_tensors():
     d = list(tp.descriptor)
     tl = torch.tensor(lengths, dtype=torch.int32)
     # opcheck on copies (it runs the op several times; each needs a fresh state)
-    torch.library.opcheck(ops.prefill_key_norms, (tp.state.clone(), d, tl, 8, tk.clone(), tv.clone(), table, 3, None))
+    torch.library.opcheck(ops.prefill_key_norms, (tp.state.clone(), d, tl, 8, tk.clone(), tv.clone(), table, None, 3, None))
     torch.library.opcheck(ops.prefill_key_norms,
                           (tp.state.clone(), d, tl, 8, torch.randn(B, H, 8, D).half(), torch.randn(B, H, 8, D).half(),
-                           None, 0, torch.tensor([1, 0, 0, 1], dtype=torch.uint8)))  # fmt: skip
+                           None, None, 0, torch.tensor([1, 0, 0, 1], dtype=torch.uint8)))  # fmt: skip
     tr = tp.prefill_key_norms(tl, cache=kv.CacheView.paged(tk, tv, table, "hnd"))
     nr = npol.prefill_key_norms(lengths, cache=ncache.view)
     np.testing.assert_array_equal(tr.numpy(), nr)
@@ -338,11 +338,11 @@ def test_torch_op_opcheck_and_cpu_tensors():
     bad[2, 0, 1, 0] = float("nan")
     fresh = kv.BatchedPolicy(config, B, H, 8, device="cpu")
     with pytest.raises(kv.NonFiniteError, match=r"at sequence 2, head 0, index 1 \(the slot\): a K/V row is not finite"):
-        torch.ops.kvevict.prefill_key_norms(fresh.state, list(fresh.descriptor), tl, 8, bad, torch.zeros_like(bad), None, 0)
+        torch.ops.kvevict.prefill_key_norms(fresh.state, list(fresh.descriptor), tl, 8, bad, torch.zeros_like(bad), None, None, 0)
     decay = kv.BatchedPolicy(kv.H2OConfig(3, 1), B, H, 8, device="cpu")
     state = decay.state.clone()
     with pytest.raises(kv.InvalidArgument, match="decay"):
-        torch.ops.kvevict.prefill_key_norms(decay.state, list(decay.descriptor), tl, 8, bad, torch.zeros_like(bad), None, 0)
+        torch.ops.kvevict.prefill_key_norms(decay.state, list(decay.descriptor), tl, 8, bad, torch.zeros_like(bad), None, None, 0)
     assert torch.equal(decay.state, state)
 
 
@@ -383,10 +383,10 @@ def test_cuda_checks_before_a_launch():
     k, v = FakeCudaArray((B, H, 8, D), "float16"), FakeCudaArray((B, H, 8, D), "float16")
     desc, state = fake_state(kv.H2OConfig(3, 2))
     with pytest.raises(kv.InvalidArgument, match=r"kvevict::cuda::prefill: argument 'in' is key_norms.*decay"):
-        _ext.prefill(desc, state, lengths, 8, 4, None, None, 1.0, 0, 0, k, v, None, None)
+        _ext.prefill(desc, state, lengths, 8, 4, None, None, 1.0, 0, 0, k, v, None, None, None)
     desc, state = fake_state(kv.H2OConfig.key_norm(3, 2))
     with pytest.raises(kv.InvalidArgument, match=r"'k_cache' is on cpu, the state is on cuda:0"):
-        _ext.prefill(desc, state, lengths, 8, 4, None, None, 1.0, 0, 0, np.zeros((B, H, 8, D), np.float16), v, None, None)
+        _ext.prefill(desc, state, lengths, 8, 4, None, None, 1.0, 0, 0, np.zeros((B, H, 8, D), np.float16), v, None, None, None)
     try:
         import torch
 
@@ -394,11 +394,11 @@ def test_cuda_checks_before_a_launch():
             return  # the fake arrays must not reach a real launch
     except ImportError:
         pass
-    nbytes = _ext.prefill(desc, state, lengths, 8, 4, None, None, 1.0, 0, 0, k, v, None, None)  # the size query
+    nbytes = _ext.prefill(desc, state, lengths, 8, 4, None, None, 1.0, 0, 0, k, v, None, None, None)  # the size query
     assert nbytes > 0
     workspace = FakeCudaArray((nbytes,), "uint8")
     with pytest.raises(kv.CudaError, match=r"kvevict::cuda: prefill failed: cuda"):
-        _ext.prefill(desc, state, lengths, 8, 4, None, None, 1.0, 0, 0, k, v, None, None, None, workspace)
+        _ext.prefill(desc, state, lengths, 8, 4, None, None, 1.0, 0, 0, k, v, None, None, None, None, workspace)
 
 
 @pytest.mark.parametrize("layout", ["bhsd", "paged_nhd"])

@@ -514,14 +514,14 @@ def test_python_argument_errors():
     for pooling in (2, 300):
         with pytest.raises(TypeError, match=r"incompatible function arguments"):
             _ext.prefill_snapkv(desc, st, *args, window_probs, probs, None, 1.0, 0, 3, pooling, 0, cache.k, cache.v,
-                                None, None)  # fmt: skip
+                                None, None, None)  # fmt: skip
     with pytest.raises(kv.InvalidArgument, match=r"argument 'input' = none is not window_probs, window_logits or "
                                                  r"window_queries"):
         _ext.prefill_snapkv(desc, st, *args, _ext.PrefillInput.none, probs, None, 1.0, 0, 3, 0, 0, cache.k, cache.v,
-                            None, None)  # fmt: skip
+                            None, None, None)  # fmt: skip
     with pytest.raises(kv.InvalidArgument, match=r"kvevict::python::prefill: argument 'lse' is required with logits"):
         _ext.prefill_snapkv(desc, st, *args, window_logits, probs, None, 1.0, 0, 3, 0, 0, cache.k, cache.v, None,
-                            None)  # fmt: skip
+                            None, None)  # fmt: skip
     unchanged(policy, state, cache, k, v)
     single = kv.SequencePolicy(kv.H2OConfig(3, 2, sinks=1), B, H, 12)
     with pytest.raises(kv.InvalidArgument, match=r"argument 'probs' has 4 window rows \(dimension 1\), but snap.window = 3"):
@@ -561,10 +561,10 @@ def test_torch_op_opcheck_and_cpu_tensors():
     for input, x, l, pooling in ((0, tprobs, None, 1), (1, torch.nan_to_num(tprobs.log(), nan=0.0), lse, 0),
                                  (2, queries, lse, 1)):  # fmt: skip
         torch.library.opcheck(ops.prefill_snapkv, (tp.state.clone(), d, tl, 12, input, x, l, 0.5, 1, 5, pooling,
-                                                   tk.clone(), tv.clone(), table, 3, flags))  # fmt: skip
+                                                   tk.clone(), tv.clone(), table, None, 3, flags))  # fmt: skip
     torch.library.opcheck(ops.prefill_snapkv, (tp.state.clone(), d, tl, 12, 2, queries.half(), lse, 1.0, 0, 3, 0,
                                                torch.randn(B, H, 12, D).half(), torch.randn(B, H, 12, D).half(),
-                                               None, 0, None))  # fmt: skip
+                                               None, None, 0, None))  # fmt: skip
     npol = kv.BatchedPolicy(config, B, H, 12, num_q_heads=2 * H)
     tr = tp.prefill_snapkv(tl, cache=kv.CacheView.paged(tk, tv, table, "hnd"), snap=snap, probs=tprobs)
     nr = npol.prefill_snapkv(lengths, cache=ncache.view, snap=snap, probs=probs)
@@ -578,11 +578,11 @@ def test_torch_op_opcheck_and_cpu_tensors():
     fresh = kv.BatchedPolicy(config, B, H, 12, num_q_heads=2 * H, device="cpu")
     with pytest.raises(kv.NonFiniteError, match=r"at sequence 2, head 0, index 0 \(.*\): an input is NaN"):
         torch.ops.kvevict.prefill_snapkv(fresh.state, list(fresh.descriptor), tl, 12, 0, bad, None, 1.0, 0, 5, 1,
-                                         torch.zeros(B, H, 12, D), torch.zeros(B, H, 12, D), None, 0)  # fmt: skip
+                                         torch.zeros(B, H, 12, D), torch.zeros(B, H, 12, D), None, None, 0)  # fmt: skip
     state = fresh.state.clone()
     with pytest.raises(kv.OutOfRange, match=r"in.snap.pool_width' = 2"):
         torch.ops.kvevict.prefill_snapkv(fresh.state, list(fresh.descriptor), tl, 12, 0, tprobs, None, 1.0, 0, 2, 1,
-                                         torch.zeros(B, H, 12, D), torch.zeros(B, H, 12, D), None, 0)  # fmt: skip
+                                         torch.zeros(B, H, 12, D), torch.zeros(B, H, 12, D), None, None, 0)  # fmt: skip
     assert torch.equal(fresh.state, state)
 
 
@@ -627,7 +627,7 @@ def test_cuda_checks_before_a_launch(input):
 
     def call(pool_width, *rest, x=x, lse=lse):
         return _ext.prefill_snapkv(desc, state, lengths, 12, WINDOW_INPUTS[input], x, lse, 1.0, 0, pool_width, 0, 0,
-                                   k, v, None,
+                                   k, v, None, None,
                                    None, None, *rest)  # fmt: skip
 
     with pytest.raises(kv.OutOfRange, match=r"kvevict::cuda::prefill: argument 'in.snap.pool_width' = 4"):

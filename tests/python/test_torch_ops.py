@@ -59,13 +59,13 @@ def test_opcheck_append_kv_and_observe_evict():
     k, v = cache()
     rows = torch.randn(B, H, D).to(torch.bfloat16)
     d = list(p.descriptor)
-    opcheck(ops.append_kv, (p.state, d, k, v, None, 0, rows, rows, None))
+    opcheck(ops.append_kv, (p.state, d, k, v, None, None, 0, rows, rows, None))
     p.append(cache=kv.CacheView.bhsd(k, v), k_new=rows, v_new=rows)
     opcheck(ops.observe_evict, (p.state, d, 0, torch.rand(B, HQ, C), None, 1.0, 0, None))
     opcheck(ops.observe_evict, (p.state, d, 1, torch.rand(B, H, C), None, 1.0, 0, None))
     opcheck(ops.observe_evict, (p.state, d, 2, torch.randn(B, HQ, C), torch.full((B, HQ), 3.0), 0.5, 1, None))
     q = torch.randn(B, HQ, D).to(torch.bfloat16)
-    opcheck(ops.observe_evict_queries, (p.state, d, q, torch.full((B, HQ), 2.0), 0.3, 0, k, v, None, 0, None))
+    opcheck(ops.observe_evict_queries, (p.state, d, q, torch.full((B, HQ), 2.0), 0.3, 0, k, v, None, None, 0, None))
 
 
 def test_opcheck_exact_greedy_and_paged():
@@ -80,7 +80,7 @@ def test_opcheck_exact_greedy_and_paged():
         p.append(cache=view, k_new=torch.randn(B, H, D), v_new=torch.randn(B, H, D))
         p.observe_evict(queries=q, lse=lse, cache=view)
     p.append(cache=view, k_new=torch.randn(B, H, D), v_new=torch.randn(B, H, D))
-    opcheck(ops.observe_evict_queries, (p.state, list(p.descriptor), q, lse, 0.3, 0, pool, pool_v, table, 3, None))
+    opcheck(ops.observe_evict_queries, (p.state, list(p.descriptor), q, lse, 0.3, 0, pool, pool_v, table, None, 3, None))
 
 
 @pytest.mark.parametrize("kind", [0, 1, 2, 3])
@@ -97,7 +97,7 @@ def test_opcheck_prefill(kind):
         x = torch.rand(B, HQ, M)
     elif kind == 2:
         x, lse = torch.randn(B, HQ, M, D).to(torch.float16), torch.full((B, HQ, M), 4.0)
-    opcheck(ops.prefill, (p.state, list(p.descriptor), lengths, M, kind, x, lse, 0.25, 0, k, v, None, 0, None))
+    opcheck(ops.prefill, (p.state, list(p.descriptor), lengths, M, kind, x, lse, 0.25, 0, k, v, None, None, 0, None))
 
 
 def test_opcheck_multi_token():
@@ -107,7 +107,7 @@ def test_opcheck_multi_token():
     opcheck(ops.append_tokens, (p.state, d, 4, None))
     p.append_tokens(4)
     p.observe_evict(probs=torch.rand(B, HQ, 16))
-    opcheck(ops.evict_to, (p.state, d, 5, k, v, None, 0, None, None, 1.0, 0, None))
+    opcheck(ops.evict_to, (p.state, d, 5, k, v, None, None, 0, None, None, 1.0, 0, None))
     opcheck(ops.evict_to_moves, (p.state, d, 5, None))
 
 

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kvevict/dtype/convert.hpp"
@@ -27,19 +28,37 @@ inline const char* name(layout_kind k) {
   return "?";
 }
 
-/// Calls f(view) with a zero-initialised cache of dtype T in layout `kind`.
+/// The scales an fp8 test cache carries: K 0.75 + 0.5 h and V 1.25 + 0.25 h
+/// for KV head h (one per layer when there is one head), none for a float
+/// cache. Not powers of two, so a path that skips one is seen.
+inline std::vector<float> fp8_test_scales(std::int32_t heads, bool values) {
+  std::vector<float> out(static_cast<std::size_t>(heads));
+  for (std::int32_t h = 0; h < heads; ++h)
+    out[std::size_t(h)] = values ? 1.25f + 0.25f * float(h) : 0.75f + 0.5f * float(h);
+  return out;
+}
+
+template <class T, class Cache>
+Cache&& with_test_scales(Cache&& c) {
+  if constexpr (kvevict::is_fp8_v<T>)
+    c.set_scales(fp8_test_scales(c.num_heads(), false), fp8_test_scales(c.num_heads(), true));
+  return std::forward<Cache>(c);
+}
+
+/// Calls f(view) with a zero-initialised cache of dtype T in layout `kind`
+/// (fp8: with fp8_test_scales).
 template <class T, class F>
 void with_cache(layout_kind kind, std::int32_t seqs, std::int32_t heads, std::int32_t capacity,
                 std::int32_t head_dim, std::int32_t page_size, F&& f) {
   using namespace kvevict;
   switch (kind) {
     case layout_kind::bhsd: {
-      auto c = make_bhsd_cache<T>(seqs, heads, capacity, head_dim);
+      auto c = with_test_scales<T>(make_bhsd_cache<T>(seqs, heads, capacity, head_dim));
       f(c.view());
       return;
     }
     case layout_kind::bshd: {
-      auto c = make_bshd_cache<T>(seqs, heads, capacity, head_dim);
+      auto c = with_test_scales<T>(make_bshd_cache<T>(seqs, heads, capacity, head_dim));
       f(c.view());
       return;
     }
@@ -52,13 +71,16 @@ void with_cache(layout_kind kind, std::int32_t seqs, std::int32_t heads, std::in
       l.stride_seq = capacity * l.stride_slot + 7;
       std::vector<T> k(std::size_t(seqs * l.stride_seq)), v(k.size());
       kv_view<T, strided_layout> view{k.data(), v.data(), l, seqs, heads, capacity, head_dim};
+      const std::vector<float> k_scales = fp8_test_scales(heads, false), v_scales = fp8_test_scales(heads, true);
+      if constexpr (is_fp8_v<T>) view.scales = kv_scales{k_scales.data(), v_scales.data(), heads > 1 ? 1 : 0};
       f(view);
       return;
     }
     case layout_kind::paged_nhd:
     case layout_kind::paged_hnd: {
-      auto c = make_paged_cache<T>(seqs, heads, capacity, head_dim, page_size,
-                                   kind == layout_kind::paged_nhd ? page_order::nhd : page_order::hnd);
+      auto c = with_test_scales<T>(make_paged_cache<T>(seqs, heads, capacity, head_dim, page_size,
+                                                       kind == layout_kind::paged_nhd ? page_order::nhd
+                                                                                       : page_order::hnd));
       f(c.view());
       return;
     }

@@ -3,9 +3,13 @@
 // inputs of batch_streams.hpp plus the key-scored ones), a config of each
 // policy drawn for it, and one observe + evict that feeds a policy its part
 // of a drawn step: all of it, or the heads [first, first + heads) of a
-// tensor-parallel shard. Shared by the tests that run two layers side by
-// side (test_tensor_parallel, test_fork).
+// tensor-parallel shard; and the comparison of one sequence's state in two
+// layers. Shared by the tests that run two layers side by side
+// (test_tensor_parallel, test_fork, test_fp8_keys).
+#include <doctest/doctest.h>
+
 #include <cstdint>
+#include <cstring>
 #include <random>
 #include <type_traits>
 #include <vector>
@@ -62,6 +66,7 @@ void observe_step(kvevict::batched_policy<Policy>& p, const batch_step<float>& s
                   decode_input in, const View& view, std::int32_t first, std::int32_t* victims) {
   using namespace kvevict;
   using Layout = typename View::layout_type;
+  using T = typename View::element_type;  // a float cache, or fp8 codes with their scales
   const std::int32_t B = dm.seqs, H = dm.heads, Hq = dm.q_heads(), W = dm.width(), D = dm.head_dim;
   const std::int32_t heads = p.shape().num_kv_heads, qf = first * dm.group, qn = heads * dm.group;
   const auto lse = heads_of(make_tensor_view<const float>(st.lse.data(), B, Hq), qf, qn);
@@ -82,8 +87,46 @@ void observe_step(kvevict::batched_policy<Policy>& p, const batch_step<float>& s
                                            st.scale},
                       view, active, victims);
       break;
-    case decode_input::key_norms: p.observe_evict(key_norms<float, Layout>{view}, active, victims); break;
-    case decode_input::key_diff: p.observe_evict(key_diff<float, Layout>{view}, active, victims); break;
+    case decode_input::key_norms: p.observe_evict(key_norms<T, Layout>{view}, active, victims); break;
+    case decode_input::key_diff: p.observe_evict(key_diff<T, Layout>{view}, active, victims); break;
+  }
+}
+
+template <class T>
+void require_equal(const T* a, const T* b, std::int64_t n, const char* what) {
+  CAPTURE(what);
+  REQUIRE(std::memcmp(a, b, sizeof(T) * std::size_t(n)) == 0);
+}
+
+/// Everything sequence b carries from step to step, in states a and r.
+inline void require_same_sequence(const kvevict::batch_state_view& a, std::int32_t b,
+                                  const kvevict::batch_state_view& r, std::int32_t rb) {
+  CAPTURE(b);
+  CAPTURE(rb);
+  REQUIRE(a.slots.lengths[b] == r.slots.lengths[rb]);
+  if (a.streams) REQUIRE(a.streams[b] == r.streams[rb]);
+  for (std::int32_t h = 0; h < a.num_heads(); ++h) {
+    CAPTURE(h);
+    const std::int64_t x = a.head_index(b, h), y = r.head_index(rb, h);
+    REQUIRE(a.slots.counts[x] == r.slots.counts[y]);
+    REQUIRE(a.slots.next_slots[x] == r.slots.next_slots[y]);
+    REQUIRE(a.appended[x] == r.appended[y]);
+    require_equal(a.slots.positions_of(b, h), r.slots.positions_of(rb, h), a.capacity(), "positions");
+    require_equal(a.scores_of(b, h), r.scores_of(rb, h), a.capacity(), "scores");
+    if (a.anchors.sums) {
+      const std::int64_t d = a.anchors.head_dim;
+      REQUIRE(a.anchors.upto[x] == r.anchors.upto[y]);
+      require_equal(a.anchors.sums + x * d, r.anchors.sums + y * d, d, "anchor sums");
+      require_equal(a.anchors.units + x * d, r.anchors.units + y * d, d, "anchor units");
+    }
+    if (a.history.keys) {
+      const std::int64_t rows = a.history.rows[x], per_head = a.history.max_tokens * a.history.head_dim;
+      REQUIRE(rows == r.history.rows[y]);
+      require_equal(a.history.keys + x * per_head, r.history.keys + y * per_head, rows * a.history.head_dim,
+                    "history keys");
+      require_equal(a.history.values + x * per_head, r.history.values + y * per_head, rows * a.history.head_dim,
+                    "history values");
+    }
   }
 }
 

@@ -173,16 +173,19 @@ std::uint64_t exact_greedy_head(const batch_state_view& st, std::int32_t b, std:
   if (first >= length || unrecorded != length - first) return pack_status(b, h, 0, batch_code::history_gap);
   const std::uint64_t queries = query_problem(st, b, h, in);
   if (queries != batch_status_clear) return queries;
+  const std::uint64_t scales = kv_scale_problem(cache, b, h);
+  if (scales != batch_status_clear) return scales;
   for (std::int32_t s = 0; s < count; ++s)
     if (positions[s] >= first && !row_is_mapped(cache, b, s)) return pack_status(b, h, s, batch_code::bad_page);
   float* keys = hv.keys + bh * hv.max_tokens * d;
   float* values = hv.values + bh * hv.max_tokens * d;
+  const float k_scale = cache.k_scale(h), v_scale = cache.v_scale(h);
   std::int32_t non_finite = -1;  // the lowest slot with a non-finite row; every row is written either way
   for (std::int32_t s = 0; s < count; ++s) {
     const std::int32_t p = positions[s];
     if (p < first) continue;
     for (std::int32_t i = 0; i < d; ++i) {
-      const float k = to_float(cache.k_row(b, h, s)[i]), v = to_float(cache.v_row(b, h, s)[i]);
+      const float k = kv_value(cache.k_row(b, h, s)[i], k_scale), v = kv_value(cache.v_row(b, h, s)[i], v_scale);
       if ((classify_input(k, false) != batch_code::ok || classify_input(v, false) != batch_code::ok) &&
           non_finite < 0)
         non_finite = s;

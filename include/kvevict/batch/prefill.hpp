@@ -180,14 +180,15 @@ struct host_query_scores {
 
   std::uint64_t score_head(std::int32_t b, std::int32_t h, std::int32_t length, float* out) const {
     const std::int32_t g = group_size;
+    const float key_scale = cache.k_scale(h);
     for (std::int32_t p = 0; p < length; ++p) {
       const T* key = cache.k_row(b, h, p);
       batch_code code = batch_code::ok;
       for (std::int32_t j = 0; j < g; ++j) {
         const std::int32_t q = h * g + j;
         (*total)[std::size_t(j)] = prefill_column_sum(p, length, [&](std::int32_t i) {
-          const float x = prefill_query_value(&in.q(b, q, i, 0), in.q.strides[3], key, cache.head_dim, in.scale,
-                                              in.lse(b, q, i), in.base);
+          const float x = prefill_query_value(&in.q(b, q, i, 0), in.q.strides[3], key, key_scale, cache.head_dim,
+                                              in.scale, in.lse(b, q, i), in.base);
           code = lower_code(code, classify_input(x, true));
           return decayed_row(decay, length, i, x);
         });

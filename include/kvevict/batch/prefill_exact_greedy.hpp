@@ -40,10 +40,13 @@ std::uint64_t greedy_prefill_problem(const batch_state_view& st, std::int32_t b,
   if (length > st.history.max_tokens) return pack_status(b, h, length, batch_code::history_full);
   const std::uint64_t queries = query_problem(st, b, h, in);
   if (queries != batch_status_clear) return queries;
+  const std::uint64_t scales = kv_scale_problem(cache, b, h);
+  if (scales != batch_status_clear) return scales;
+  const float k_scale = cache.k_scale(h), v_scale = cache.v_scale(h);
   for (std::int32_t s = 0; s < length; ++s)
     for (std::int32_t i = 0; i < cache.head_dim; ++i)
-      if (classify_input(to_float(cache.k_row(b, h, s)[i]), false) != batch_code::ok ||
-          classify_input(to_float(cache.v_row(b, h, s)[i]), false) != batch_code::ok)
+      if (classify_input(kv_value(cache.k_row(b, h, s)[i], k_scale), false) != batch_code::ok ||
+          classify_input(kv_value(cache.v_row(b, h, s)[i], v_scale), false) != batch_code::ok)
         return pack_status(b, h, s, batch_code::non_finite_kv);
   return batch_status_clear;
 }
@@ -57,10 +60,11 @@ void greedy_prefill_head(const batch_state_view& st, std::int32_t b, std::int32_
   const history_view& hv = st.history;
   const std::int64_t bh = st.head_index(b, h);
   const std::int32_t d = hv.head_dim;
+  const float k_scale = cache.k_scale(h), v_scale = cache.v_scale(h);
   for (std::int32_t p = 0; p < length; ++p)
     for (std::int32_t i = 0; i < d; ++i) {
-      hv.keys[(bh * hv.max_tokens + p) * d + i] = to_float(cache.k_row(b, h, p)[i]);
-      hv.values[(bh * hv.max_tokens + p) * d + i] = to_float(cache.v_row(b, h, p)[i]);
+      hv.keys[(bh * hv.max_tokens + p) * d + i] = kv_value(cache.k_row(b, h, p)[i], k_scale);
+      hv.values[(bh * hv.max_tokens + p) * d + i] = kv_value(cache.v_row(b, h, p)[i], v_scale);
     }
   hv.rows[bh] = length;
   std::int32_t* positions = st.slots.positions_of(b, h);

@@ -41,7 +41,7 @@ void run_prefill(const batch_state_view& st, const active_set& active, const pro
   std::vector<std::int64_t> sums(static_cast<std::size_t>(in.cache.head_dim));
   std::vector<float> unit(static_cast<std::size_t>(in.cache.head_dim));
   const host_key_diff_scores<T, Layout> scorer{in.cache, &sums, &unit};
-  host_prefill(st, active, prompts, scorer, prefill_cache_checks<T, Layout>{in.cache}, &in.cache, reclaimable_pages,
+  host_prefill(st, active, prompts, scorer, prefill_key_checks<T, Layout>{in.cache}, &in.cache, reclaimable_pages,
                status);
 }
 

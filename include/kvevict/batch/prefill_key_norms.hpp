@@ -41,7 +41,7 @@ template <class T, class Layout>
 void run_prefill(const batch_state_view& st, const active_set& active, const prompt_lengths& prompts,
                  const key_norms<T, Layout>& in, std::int32_t* reclaimable_pages, std::uint64_t* status) {
   const host_key_norm_scores<T, Layout> scorer{{in, st.group_size(), st.rule.reduce}};
-  host_prefill(st, active, prompts, scorer, prefill_cache_checks<T, Layout>{in.cache}, &in.cache, reclaimable_pages,
+  host_prefill(st, active, prompts, scorer, prefill_key_checks<T, Layout>{in.cache}, &in.cache, reclaimable_pages,
                status);
 }
 

@@ -127,11 +127,12 @@ KVEVICT_HOST_DEVICE inline batch_code lower_code(batch_code a, batch_code b) noe
 /// One element of the queries path: the probability of row q . key, or the
 /// logit itself when it is not finite (a non-finite key), so that it is
 /// reported as the input (as the batched decode does).
+/// key_scale: the key row's kv_value scale (the view's k_scale(h)).
 template <class Q, class K>
-KVEVICT_HOST_DEVICE inline float prefill_query_value(const Q* q, std::int64_t q_stride, const K* key,
+KVEVICT_HOST_DEVICE inline float prefill_query_value(const Q* q, std::int64_t q_stride, const K* key, float key_scale,
                                                      std::int32_t head_dim, float scale, float lse,
                                                      lse_base base) noexcept {
-  const float logit = attention_logit(q, q_stride, key, head_dim);
+  const float logit = attention_logit(q, q_stride, key, head_dim, key_scale);
   if (classify_input(logit, false) != batch_code::ok) return logit;
   return probability_from_logit(logit, scale, lse, base);
 }
@@ -174,8 +175,9 @@ struct prefill_no_checks {
   }
 };
 
-/// With a cache: every page of slots [0, L) must be in the pool.
-template <class T, class Layout>
+/// With a cache: every page of slots [0, L) must be in the pool; when the
+/// scoring reads keys (ReadsKeys), each head's fp8 scales must be good.
+template <class T, class Layout, bool ReadsKeys = false>
 struct prefill_cache_checks {
   kv_view<T, Layout> cache;
 
@@ -192,11 +194,18 @@ struct prefill_cache_checks {
     }
     return prefill_no_slot;
   }
-  KVEVICT_HOST_DEVICE std::uint64_t head_problem(std::int32_t, std::int32_t, std::int32_t, std::int32_t,
+  KVEVICT_HOST_DEVICE std::uint64_t head_problem(std::int32_t b, std::int32_t h, std::int32_t, std::int32_t,
                                                  std::int32_t) const noexcept {
+    if constexpr (ReadsKeys) return kv_scale_problem(cache, b, h);
+    (void)b, (void)h;
     return batch_status_clear;
   }
 };
+
+/// The checks of a prefill scored from the cached keys alone (key norms,
+/// KeyDiff).
+template <class T, class Layout>
+using prefill_key_checks = prefill_cache_checks<T, Layout, true>;
 
 /// Queries + LSE: the pages, and per head the LSE and query rows of its
 /// group for rows [0, L) (rows r = first, first + step, ... of the g * L
@@ -212,10 +221,10 @@ struct prefill_query_checks {
     return prefill_cache_checks<T, Layout>{cache}.first_unmapped(b, length, first, step);
   }
   /// The lowest non_finite_lse / non_finite_query word of the rows looked
-  /// at (index: the query head), or batch_status_clear.
+  /// at (index: the query head) or bad_kv_scale word, or batch_status_clear.
   KVEVICT_HOST_DEVICE std::uint64_t head_problem(std::int32_t b, std::int32_t h, std::int32_t length,
                                                  std::int32_t first, std::int32_t step) const noexcept {
-    std::uint64_t word = batch_status_clear;
+    std::uint64_t word = kv_scale_problem(cache, b, h);
     const std::int64_t rows = std::int64_t{group_size} * length;
     for (std::int64_t r = first; r < rows; r += step) {
       const std::int32_t q = h * group_size + static_cast<std::int32_t>(r / length);

@@ -139,6 +139,7 @@ KVEVICT_HOST_DEVICE slot_increment fold_window_column(const snap_window& snap, s
 
 /// Per-row checks of the window inputs: none for probabilities.
 struct window_no_row_checks {
+  static constexpr bool reads_keys = false;
   KVEVICT_HOST_DEVICE batch_code problem(std::int32_t, std::int32_t, std::int32_t) const noexcept {
     return batch_code::ok;
   }
@@ -146,6 +147,7 @@ struct window_no_row_checks {
 
 /// Logits: each window row's LSE.
 struct window_lse_checks {
+  static constexpr bool reads_keys = false;
   tensor_view<const float, 3> lse;
   KVEVICT_HOST_DEVICE batch_code problem(std::int32_t b, std::int32_t q, std::int32_t r) const noexcept {
     return classify_input(lse(b, q, r), false) != batch_code::ok ? batch_code::non_finite_lse : batch_code::ok;
@@ -155,6 +157,7 @@ struct window_lse_checks {
 /// Queries: each window row's LSE, then its query.
 template <class Q>
 struct window_query_checks {
+  static constexpr bool reads_keys = true;  ///< q . k: the head's fp8 scales are checked
   batch_window_queries<Q> in;
   std::int32_t head_dim = 0;
   KVEVICT_HOST_DEVICE batch_code problem(std::int32_t b, std::int32_t q, std::int32_t r) const noexcept {
@@ -182,7 +185,7 @@ struct prefill_window_checks {
   KVEVICT_HOST_DEVICE std::uint64_t head_problem(std::int32_t b, std::int32_t h, std::int32_t length,
                                                  std::int32_t first, std::int32_t step) const noexcept {
     if (length < window) return pack_status(b, 0, length, batch_code::bad_length);  // every head says the same
-    std::uint64_t word = batch_status_clear;
+    std::uint64_t word = Rows::reads_keys ? kv_scale_problem(cache, b, h) : batch_status_clear;
     for (std::int32_t x = first; x < group_size * window; x += step) {
       const std::int32_t q = h * group_size + x / window;
       const batch_code code = rows.problem(b, q, x % window);
@@ -341,8 +344,8 @@ void run_prefill(const batch_state_view& st, const active_set& active, const pro
       st, active, prompts, in.snap,
       [&](std::int32_t b, std::int32_t h, std::int32_t q, std::int32_t length, std::int32_t i, std::int32_t p) {
         const std::int32_t r = i - (length - in.snap.window);
-        return prefill_query_value(&in.q(b, q, r, 0), in.q.strides[3], cache.k_row(b, h, p), cache.head_dim, in.scale,
-                                   in.lse(b, q, r), in.base);
+        return prefill_query_value(&in.q(b, q, r, 0), in.q.strides[3], cache.k_row(b, h, p), cache.k_scale(h),
+                                   cache.head_dim, in.scale, in.lse(b, q, r), in.base);
       },
       window_query_checks<Q>{in, cache.head_dim}, cache, reclaimable_pages, status);
 }

@@ -21,7 +21,7 @@ namespace kvevict {
 /// occupied slot; the LSE of each query head of the group, lowest first;
 /// then its query rows. Threads can each make a share and reduce.
 struct head_check {
-  enum class stage : std::uint32_t { not_appended = 0, narrow_input = 1, lse = 2, query = 3 };
+  enum class stage : std::uint32_t { not_appended = 0, narrow_input = 1, lse = 2, query = 3, kv_scale = 4 };
   static constexpr std::uint64_t none = ~std::uint64_t{0};
 
   KVEVICT_HOST_DEVICE static std::uint64_t key(stage s, std::int32_t index) noexcept {
@@ -35,6 +35,7 @@ struct head_check {
       case stage::not_appended: return pack_status(b, h, index, batch_code::not_appended);
       case stage::narrow_input: return pack_status(b, h, index, batch_code::narrow_input);
       case stage::lse: return pack_status(b, h, index, batch_code::non_finite_lse);
+      case stage::kv_scale: return pack_status(b, h, index, batch_code::bad_kv_scale);
       default: return pack_status(b, h, index, batch_code::non_finite_query);
     }
   }

@@ -38,6 +38,14 @@ KVEVICT_HOST_DEVICE inline std::uint64_t check_group_lse(const tensor_view<const
   return key;
 }
 
+/// The head check of a source that reads keys: bad_kv_scale's key when a
+/// scale of head h is bad (kv_view.hpp), else none.
+template <class T, class Layout>
+KVEVICT_HOST_DEVICE std::uint64_t kv_scale_check(const kv_view<T, Layout>& cache, std::int32_t h) noexcept {
+  const std::int32_t bad = bad_kv_scale(cache, h);
+  return bad < 0 ? head_check::none : head_check::key(head_check::stage::kv_scale, bad);
+}
+
 /// The probability of a logit (or the logit itself when it is not finite,
 /// so that it is what gets reported).
 KVEVICT_HOST_DEVICE inline float logit_value(float logit, float scale, float lse, lse_base base) noexcept {
@@ -187,7 +195,8 @@ struct query_source {
   /// The LSE checks, then every element of the group's query rows.
   KVEVICT_HOST_DEVICE std::uint64_t check_head_share(std::int32_t b, std::int32_t h, std::int32_t t,
                                                      std::int32_t n) const noexcept {
-    std::uint64_t key = detail::check_group_lse(in.lse, b, h, group_size, t, n);
+    std::uint64_t key =
+        lower_of(detail::check_group_lse(in.lse, b, h, group_size, t, n), detail::kv_scale_check(cache, h));
     const std::int32_t d = cache.head_dim;
     for (std::int64_t i = t; i < std::int64_t{group_size} * d; i += n) {
       const std::int32_t q = h * group_size + static_cast<std::int32_t>(i / d);
@@ -211,8 +220,9 @@ struct query_source {
       return bad;
     }
     const T* key = cache.k_row(b, h, s);
+    const float key_scale = cache.k_scale(h);
     return fold_group(h * group_size, group_size, reduce, true, [&](std::int32_t q) {
-      const float logit = attention_logit_rows(&in.q(b, q, 0), in.q.strides[2], key, cache.head_dim);
+      const float logit = attention_logit_rows(&in.q(b, q, 0), in.q.strides[2], key, cache.head_dim, key_scale);
       return detail::logit_value(logit, in.scale, in.lse(b, q), in.base);
     });
   }
@@ -230,9 +240,9 @@ struct score_source<key_norms<T, Layout>> {
   group_reduce reduce;
 
   KVEVICT_HOST_DEVICE std::int32_t columns() const noexcept { return in.cache.capacity; }
-  KVEVICT_HOST_DEVICE std::uint64_t check_head_share(std::int32_t, std::int32_t, std::int32_t,
+  KVEVICT_HOST_DEVICE std::uint64_t check_head_share(std::int32_t, std::int32_t h, std::int32_t,
                                                      std::int32_t) const noexcept {
-    return head_check::none;
+    return detail::kv_scale_check(in.cache, h);
   }
   template <int N>
   KVEVICT_HOST_DEVICE void fold_items(std::int32_t b, std::int32_t h, const std::int32_t (&s)[N],
@@ -246,7 +256,7 @@ struct score_source<key_norms<T, Layout>> {
       out.code = batch_code::bad_page;
       return out;
     }
-    out.value = key_norm_score(in.cache.k_row(b, h, s), in.cache.head_dim);
+    out.value = key_norm_score(in.cache.k_row(b, h, s), in.cache.head_dim, in.cache.k_scale(h));
     if (classify_input(out.value, false) != batch_code::ok) out.code = batch_code::non_finite_kv;
     return out;
   }
@@ -264,9 +274,9 @@ struct score_source<key_diff<T, Layout>> {
   key_anchor_view anchors;
 
   KVEVICT_HOST_DEVICE std::int32_t columns() const noexcept { return in.cache.capacity; }
-  KVEVICT_HOST_DEVICE std::uint64_t check_head_share(std::int32_t, std::int32_t, std::int32_t,
+  KVEVICT_HOST_DEVICE std::uint64_t check_head_share(std::int32_t, std::int32_t h, std::int32_t,
                                                      std::int32_t) const noexcept {
-    return head_check::none;
+    return detail::kv_scale_check(in.cache, h);
   }
   template <int N>
   KVEVICT_HOST_DEVICE void fold_items(std::int32_t b, std::int32_t h, const std::int32_t (&s)[N],
@@ -281,13 +291,14 @@ struct score_source<key_diff<T, Layout>> {
       return out;
     }
     const T* k = in.cache.k_row(b, h, s);
-    const float norm = key_length(k, in.cache.head_dim);
+    const float scale = in.cache.k_scale(h);
+    const float norm = key_length(k, in.cache.head_dim, scale);
     if (classify_input(norm, false) != batch_code::ok) {
       out.value = norm;
       out.code = batch_code::non_finite_kv;
       return out;
     }
-    out.value = key_diff_score(k, anchors.units_of(b, h), in.cache.head_dim, norm);
+    out.value = key_diff_score(k, anchors.units_of(b, h), in.cache.head_dim, scale, norm);
     return out;
   }
 };

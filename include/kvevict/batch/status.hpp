@@ -76,6 +76,7 @@ inline const char* describe(batch_code code) noexcept {
     case batch_code::repeated_sequence:
       return "the active list names this sequence more than once; no entry naming it stepped";
     case batch_code::bad_fork_source: return "the sequence a fork copies is outside [0, num_seqs)";
+    case batch_code::bad_kv_scale: return "an fp8 cache's K or V scale for this head is not positive and finite";
     case batch_code::bad_status_word:
       return "the word is not one a batched call writes: initialise it to batch_status_clear (all ones); a "
              "word of 0 is below every problem, so no refusal could be recorded in it";
@@ -95,6 +96,7 @@ inline const char* status_index_meaning(batch_code code) noexcept {
     case batch_code::narrow_input: return "the tokens the head holds";
     case batch_code::bad_count: return "the segment";
     case batch_code::bad_fork_source: return "the source";
+    case batch_code::bad_kv_scale: return "0: the K scale, 1: the V scale";
     case batch_code::bad_stream: return "the active-list entry";
     case batch_code::nan_input:
     case batch_code::infinite_input:
@@ -161,6 +163,7 @@ inline void throw_status(const site& where, std::uint64_t word, bool prefill) {
     case batch_code::history_gap:
     case batch_code::not_appended: fail_state<state_error>(where, at);
     case batch_code::repeated_sequence:
+    case batch_code::bad_kv_scale:
     default: fail_state<invalid_argument>(where, at);
   }
 }

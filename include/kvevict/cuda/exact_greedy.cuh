@@ -80,9 +80,11 @@ __global__ void __launch_bounds__(BlockThreads)
   page = reduce_words(temp.words).Reduce(page, minimum_of{});
   __syncthreads();
   const unsigned long long queries = block_query_problem<BlockThreads>(temp.words, in, b, h, g, d);
+  const unsigned long long scales = kv_scale_problem(cache, b, h);  // in the host's order: gap, queries, scales, page
   if (t == 0)
     shared_word = unrecorded != length - first      ? pack_status(b, h, 0, batch_code::history_gap)
                   : queries != batch_status_clear ? queries
+                  : scales != batch_status_clear  ? scales
                                                    : page;
   __syncthreads();
   if (shared_word != batch_status_clear) {
@@ -94,11 +96,12 @@ __global__ void __launch_bounds__(BlockThreads)
   // not state until the commit) ----
   float* keys = hv.keys + bh * hv.max_tokens * d;
   float* values = hv.values + bh * hv.max_tokens * d;
+  const float k_scale = cache.k_scale(h), v_scale = cache.v_scale(h);
   unsigned long long problem = batch_status_clear;
   for (std::int64_t i = t; i < std::int64_t{count} * d; i += BlockThreads) {  // 64-bit: count * d may pass 2^31
     const std::int32_t s = static_cast<std::int32_t>(i / d), e = static_cast<std::int32_t>(i % d), p = positions[s];
     if (p < first) continue;
-    const float k = to_float(cache.k_row(b, h, s)[e]), v = to_float(cache.v_row(b, h, s)[e]);
+    const float k = kv_value(cache.k_row(b, h, s)[e], k_scale), v = kv_value(cache.v_row(b, h, s)[e], v_scale);
     if (classify_input(k, false) != batch_code::ok || classify_input(v, false) != batch_code::ok)
       problem = minimum_of{}(problem, static_cast<unsigned long long>(pack_status(b, h, s, batch_code::non_finite_kv)));
     keys[std::int64_t{p} * d + e] = k;

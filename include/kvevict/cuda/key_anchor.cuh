@@ -37,6 +37,7 @@ __global__ void __launch_bounds__(Threads)
   const std::int32_t row = static_cast<std::int32_t>(blockIdx.x), h = row % st.num_heads();
   const std::int32_t b = entry_sequence(active, row / st.num_heads(), st.num_seqs(), -1, nullptr);
   if (b < 0 || kvevict::detail::observe_skips(st, active, b, h)) return;  // the whole block
+  if (kv_scale_problem(in.cache, b, h) != batch_status_clear) return;    // the score pass names it; nothing changes
   const key_anchor_view& a = st.anchors;
   const std::int32_t t = static_cast<std::int32_t>(threadIdx.x), d = a.head_dim;
   const std::int64_t bh = st.head_index(b, h);
@@ -45,6 +46,7 @@ __global__ void __launch_bounds__(Threads)
   const std::int32_t width = kvevict::detail::occupied_end(st.slots.counts[bh], st.slots.next_slots[bh]);
   const std::int32_t* positions = st.slots.positions_of(b, h);
   float* anchor = reinterpret_cast<float*>(added + d);
+  const float scale = in.cache.k_scale(h);
   if (t == 0) refused = 0;
   for (std::int32_t e = t; e < d; e += Threads) added[e] = 0;
   __syncthreads();
@@ -62,13 +64,13 @@ __global__ void __launch_bounds__(Threads)
       fresh &= fresh - 1;
       const bool mapped = row_is_mapped(in.cache, b, s);
       const T* k = mapped ? in.cache.k_row(b, h, s) : nullptr;
-      const float norm = mapped ? key_length(k, d) : 0.0f;
+      const float norm = mapped ? key_length(k, d, scale) : 0.0f;
       if (!mapped || classify_input(norm, false) != batch_code::ok) {  // refused by the host too
         if (lane == 0) atomicOr(&refused, 1);
         continue;
       }
       for (std::int32_t e = lane; e < d; e += 32)  // two's complement: the unsigned sum is the signed one
-        atomicAdd(added + e, static_cast<unsigned long long>(key_diff_unit(k, e, norm)));
+        atomicAdd(added + e, static_cast<unsigned long long>(key_diff_unit(k, e, scale, norm)));
     }
   }
   __syncthreads();

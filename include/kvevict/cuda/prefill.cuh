@@ -218,7 +218,7 @@ cudaError_t batched_prefill(void* workspace, std::size_t& workspace_bytes, const
   kvevict::detail::require_input(w, st, in);
   return detail::run_prefill<true>(w, workspace, workspace_bytes, st, active, prompts,
                                    detail::scoring_key_norms<T, Layout>{in},
-                                   kvevict::detail::prefill_cache_checks<T, Layout>{in.cache}, in.cache,
+                                   kvevict::detail::prefill_key_checks<T, Layout>{in.cache}, in.cache,
                                    reclaimable_pages, status, stream);
 }
 

@@ -42,10 +42,11 @@ __global__ void __launch_bounds__(Threads)
   const std::int32_t t = static_cast<std::int32_t>(threadIdx.x), d = in.cache.head_dim;
   const std::int32_t length = prompts.lengths[head.b];
   float* norms = ws.scores + segment * ws.max_length;  // the norms first, then the scores in their place
+  const float scale = in.cache.k_scale(head.h);        // checked good by prepare
   if (t == 0) first_bad = INT_MAX;
   __syncthreads();
   for (std::int32_t p = t; p < length; p += Threads) {
-    const float norm = key_length(in.cache.k_row(head.b, head.h, p), d);
+    const float norm = key_length(in.cache.k_row(head.b, head.h, p), d, scale);
     norms[p] = norm;
     if (classify_input(norm, false) != batch_code::ok) atomicMin(&first_bad, p);
   }
@@ -59,7 +60,8 @@ __global__ void __launch_bounds__(Threads)
   }
   for (std::int32_t e = t; e < d; e += Threads) {  // a warp reads consecutive components of one key
     std::int64_t sum = 0;
-    for (std::int32_t p = 0; p < length; ++p) sum += key_diff_unit(in.cache.k_row(head.b, head.h, p), e, norms[p]);
+    for (std::int32_t p = 0; p < length; ++p)
+      sum += key_diff_unit(in.cache.k_row(head.b, head.h, p), e, scale, norms[p]);
     unit[e] = key_diff_anchor_value(sum);
   }
   __syncthreads();
@@ -68,7 +70,7 @@ __global__ void __launch_bounds__(Threads)
   for (std::int32_t e = t; e < d; e += Threads) unit[e] = key_diff_unit_anchor(unit[e], anchor_length);
   __syncthreads();
   for (std::int32_t p = t; p < length; p += Threads)
-    norms[p] = key_diff_score(in.cache.k_row(head.b, head.h, p), unit, d);  // the anchor pass ended at a barrier
+    norms[p] = key_diff_score(in.cache.k_row(head.b, head.h, p), unit, d, scale);  // the anchor pass ended at a barrier
 }
 
 template <class T, class Layout>
@@ -107,7 +109,7 @@ cudaError_t batched_prefill(void* workspace, std::size_t& workspace_bytes, const
                                             " needs more than 48 KiB of shared memory for KeyDiff's anchor");
   return detail::run_prefill<true>(w, workspace, workspace_bytes, st, active, prompts,
                                    detail::scoring_key_diff<T, Layout>{in},
-                                   kvevict::detail::prefill_cache_checks<T, Layout>{in.cache}, in.cache,
+                                   kvevict::detail::prefill_key_checks<T, Layout>{in.cache}, in.cache,
                                    reclaimable_pages, status, stream);
 }
 

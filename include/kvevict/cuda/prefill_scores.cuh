@@ -122,6 +122,7 @@ __global__ void __launch_bounds__(Threads)
   if (first >= length) return;  // the whole block
   const std::int32_t t = static_cast<std::int32_t>(threadIdx.x), p = first + t;
   tile_of.stage_keys(cache, b, h, first, length - first < Threads ? length - first : Threads, t);
+  const float key_scale = cache.k_scale(h);  // checked good by prepare
   float* partials = ws.partials + std::int64_t{pair} * ws.per_pair;
   for (std::int32_t chunk = static_cast<std::int32_t>(blockIdx.y); chunk < prefill_chunks(length);
        chunk += static_cast<std::int32_t>(gridDim.y)) {
@@ -140,7 +141,7 @@ __global__ void __launch_bounds__(Threads)
       if (p < length)
         for (std::int32_t r = 0; r < rows; ++r) {
           if (r0 + r < p) continue;
-          const float x = kvevict::detail::prefill_query_value(tile_of.query_row(r), 1, tile_of.key_of(t),
+          const float x = kvevict::detail::prefill_query_value(tile_of.query_row(r), 1, tile_of.key_of(t), key_scale,
                                                                tile_of.d, in.scale, tile_of.lse[r], in.base);
           code = kvevict::detail::lower_code(code, classify_input(x, true));
           acc.add(decayed_row(st.rule.decay, length, r0 + r, x));

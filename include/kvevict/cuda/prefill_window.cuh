@@ -82,8 +82,9 @@ __global__ void __launch_bounds__(Threads)
       for (std::int32_t r = 0; r < rows; ++r) {
         const std::int32_t i = row0 + r0 + r;
         if (i < p) continue;
-        const float x = kvevict::detail::prefill_query_value(tile_of.query_row(r), 1, tile_of.key_of(t), tile_of.d,
-                                                             in.scale, tile_of.lse[r], in.base);
+        const float x = kvevict::detail::prefill_query_value(tile_of.query_row(r), 1, tile_of.key_of(t),
+                                                             cache.k_scale(h), tile_of.d, in.scale, tile_of.lse[r],
+                                                             in.base);
         code = kvevict::detail::lower_code(code, classify_input(x, true));
         acc.add(decayed_row(st.rule.decay, length, i, x));
       }

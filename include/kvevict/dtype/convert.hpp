@@ -2,11 +2,12 @@
 // One spelling for "convert to/from float" across every KV dtype, so library
 // code can be written once as a template over the storage type and compute in
 // float regardless of how the cache is stored. fp8 codes are values only
-// with their scale: dequantize(code, scale); their to_float is refused.
+// with their scale: kv_value(code, scale); their to_float is refused.
 
 #include <type_traits>
 
 #include "kvevict/config.hpp"
+#include "kvevict/detail/reproducible_math.hpp"
 #include "kvevict/dtype/bfloat16.hpp"
 #include "kvevict/dtype/fp8.hpp"
 #include "kvevict/dtype/half.hpp"
@@ -25,29 +26,42 @@ KVEVICT_HOST_DEVICE inline float to_float(half x) noexcept { return half_to_floa
 KVEVICT_HOST_DEVICE inline float to_float(bfloat16 x) noexcept { return bfloat16_to_float(x); }
 
 /// An fp8 K/V code is a value only with its scale (vLLM's and TensorRT-LLM's
-/// k_scale / v_scale): a path that reads keys or values as numbers refuses
-/// fp8 at compile time until it takes the scales. Paths that move the bytes
-/// (append, scatter, compaction, prefill and evict_to by attention inputs)
-/// take fp8 caches.
+/// k_scale / v_scale): cached keys and values are read with kv_value, and
+/// an fp8 tensor anywhere a number is read without a scale (queries,
+/// scores) is refused at compile time.
 template <class T, std::enable_if_t<is_fp8_v<T>, int> = 0>
 KVEVICT_HOST_DEVICE float to_float(T) noexcept {
   static_assert(!is_fp8_v<T>,
-                "kvevict: this path reads fp8 keys or values as numbers, which needs their scales (code x scale); it "
-                "does not take scales yet: score an fp8 cache by probabilities, logits + LSE or per-head increments");
+                "kvevict: an fp8 tensor is read as numbers here, which needs its scales (code x scale): fp8 is a "
+                "K/V cache format, read through a kv_view with its scales; queries and scores are float, half or "
+                "bfloat16");
   return 0.0f;
 }
 
-/// A K/V element's value, as the engine's attention computes it: the code
-/// (exactly, in float) times its scale, one float product.
+/// code x scale, as the engine's attention computes it: the code (exactly,
+/// in float) times its scale, one float product, never fused.
 template <class T>
 KVEVICT_HOST_DEVICE inline float dequantize(T x, float scale) noexcept {
   static_assert(is_kv_dtype_v<T>, "dequantize<T>: T must be a KV dtype");
   if constexpr (std::is_same_v<T, fp8_e4m3>) {
-    return fp8_e4m3_to_float(x) * scale;
+    return detail::mul(fp8_e4m3_to_float(x), scale);
   } else if constexpr (std::is_same_v<T, fp8_e5m2>) {
-    return fp8_e5m2_to_float(x) * scale;
+    return detail::mul(fp8_e5m2_to_float(x), scale);
   } else {
-    return to_float(x) * scale;
+    return detail::mul(to_float(x), scale);
+  }
+}
+
+/// A cached K/V element's value: an fp8 code times its scale (the view's
+/// k_scale / v_scale), any other element as it is (its view has no scales,
+/// and `scale` is 1). Every path that reads keys or values reads them so.
+template <class T>
+KVEVICT_HOST_DEVICE inline float kv_value(T x, float scale) noexcept {
+  if constexpr (is_fp8_v<T>) {
+    return dequantize(x, scale);
+  } else {
+    (void)scale;
+    return to_float(x);
   }
 }
 

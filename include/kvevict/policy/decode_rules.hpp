@@ -184,14 +184,15 @@ KVEVICT_HOST_DEVICE KVEVICT_REPRODUCIBLE inline float probability_from_logit(flo
 namespace detail {
 
 /// One chunk of q . k: q[d] * k[d] for d in [0, n), summed left to right,
-/// products and sums unfused. `k` may be a copy of the chunk in registers
-/// (a GPU's 16-byte load): the arithmetic is the same.
+/// products and sums unfused; fp8 elements are their codes times q_scale /
+/// k_scale (kv_value). `k` may be a copy of the chunk in registers (a GPU's
+/// 16-byte load): the arithmetic is the same.
 template <class Q, class K>
 KVEVICT_HOST_DEVICE KVEVICT_REPRODUCIBLE inline float chunk_dot(const Q* q, std::int64_t q_stride, const K* k,
-                                                                std::int32_t n) noexcept {
+                                                                std::int32_t n, float q_scale, float k_scale) noexcept {
   KVEVICT_FP_CONTRACT_OFF
-  float v = mul(to_float(q[0]), to_float(k[0]));
-  for (std::int32_t d = 1; d < n; ++d) v = add(v, mul(to_float(q[d * q_stride]), to_float(k[d])));
+  float v = mul(kv_value(q[0], q_scale), kv_value(k[0], k_scale));
+  for (std::int32_t d = 1; d < n; ++d) v = add(v, mul(kv_value(q[d * q_stride], q_scale), kv_value(k[d], k_scale)));
   return v;
 }
 
@@ -228,12 +229,13 @@ KVEVICT_HOST_DEVICE KVEVICT_REPRODUCIBLE inline float chunk_tree(std::int32_t ch
 }
 
 template <int Levels, class Q, class K>
-KVEVICT_HOST_DEVICE inline float chunk_tree_logit(const Q* q, std::int64_t q_stride, const K* k,
-                                                  std::int32_t head_dim) noexcept {
+KVEVICT_HOST_DEVICE inline float chunk_tree_logit(const Q* q, std::int64_t q_stride, const K* k, std::int32_t head_dim,
+                                                  float q_scale, float k_scale) noexcept {
   constexpr std::int32_t chunk = static_cast<std::int32_t>(16 / sizeof(K));
   return chunk_tree<Levels>((head_dim + chunk - 1) / chunk, [&](std::int32_t c) {
     const std::int32_t first = c * chunk;
-    return chunk_dot(q + first * q_stride, q_stride, k + first, head_dim - first < chunk ? head_dim - first : chunk);
+    return chunk_dot(q + first * q_stride, q_stride, k + first, head_dim - first < chunk ? head_dim - first : chunk,
+                     q_scale, k_scale);
   });
 }
 
@@ -241,8 +243,9 @@ KVEVICT_HOST_DEVICE inline float chunk_tree_logit(const Q* q, std::int64_t q_str
 /// registers of every caller.
 template <class Q, class K>
 KVEVICT_HOST_DEVICE KVEVICT_NOINLINE float wide_tree_logit(const Q* q, std::int64_t q_stride, const K* k,
-                                                           std::int32_t head_dim) noexcept {
-  return chunk_tree_logit<32>(q, q_stride, k, head_dim);
+                                                           std::int32_t head_dim, float q_scale,
+                                                           float k_scale) noexcept {
+  return chunk_tree_logit<32>(q, q_stride, k, head_dim, q_scale, k_scale);
 }
 
 /// The element-wise path of attention_logit_rows, out of line: rows that
@@ -250,7 +253,8 @@ KVEVICT_HOST_DEVICE KVEVICT_NOINLINE float wide_tree_logit(const Q* q, std::int6
 /// caller's.
 template <class Q, class K>
 KVEVICT_HOST_DEVICE KVEVICT_NOINLINE float unaligned_logit(const Q* q, std::int64_t q_stride, const K* k,
-                                                           std::int32_t head_dim) noexcept;
+                                                           std::int32_t head_dim, float q_scale,
+                                                           float k_scale) noexcept;
 
 }  // namespace detail
 
@@ -259,20 +263,23 @@ KVEVICT_HOST_DEVICE KVEVICT_NOINLINE float unaligned_logit(const Q* q, std::int6
 /// to right within chunks of 16 bytes of K (16 / sizeof(K) elements; a GPU
 /// lane's vector load), then the chunk sums combined pairwise, as a balanced
 /// tree over a power-of-two count with +0 for the missing chunks. Head dims
-/// up to 256 chunks (2048 bf16 elements) keep the tree in 9 levels.
+/// up to 256 chunks (2048 bf16 elements) keep the tree in 9 levels. An fp8
+/// row's elements are its codes times k_scale (q_scale: when q is an fp8
+/// row too, as in ||k||^2); a float row's are themselves.
 template <class Q, class K>
-KVEVICT_HOST_DEVICE inline float attention_logit(const Q* q, std::int64_t q_stride, const K* k,
-                                                 std::int32_t head_dim) noexcept {
+KVEVICT_HOST_DEVICE inline float attention_logit(const Q* q, std::int64_t q_stride, const K* k, std::int32_t head_dim,
+                                                 float k_scale = 1.0f, float q_scale = 1.0f) noexcept {
   constexpr std::int32_t chunk = static_cast<std::int32_t>(16 / sizeof(K));
-  if (head_dim <= 256 * chunk) return detail::chunk_tree_logit<9>(q, q_stride, k, head_dim);
-  return detail::wide_tree_logit(q, q_stride, k, head_dim);
+  if (head_dim <= 256 * chunk) return detail::chunk_tree_logit<9>(q, q_stride, k, head_dim, q_scale, k_scale);
+  return detail::wide_tree_logit(q, q_stride, k, head_dim, q_scale, k_scale);
 }
 
 namespace detail {
 template <class Q, class K>
 KVEVICT_HOST_DEVICE KVEVICT_NOINLINE float unaligned_logit(const Q* q, std::int64_t q_stride, const K* k,
-                                                           std::int32_t head_dim) noexcept {
-  return attention_logit(q, q_stride, k, head_dim);
+                                                           std::int32_t head_dim, float q_scale,
+                                                           float k_scale) noexcept {
+  return attention_logit(q, q_stride, k, head_dim, k_scale, q_scale);
 }
 }  // namespace detail
 
@@ -281,7 +288,8 @@ KVEVICT_HOST_DEVICE KVEVICT_NOINLINE float unaligned_logit(const Q* q, std::int6
 /// LDG.128 instead of one per element): the same chunks, the same bits.
 template <class Q, class K>
 KVEVICT_HOST_DEVICE inline float attention_logit_rows(const Q* q, std::int64_t q_stride, const K* k,
-                                                      std::int32_t head_dim) noexcept {
+                                                      std::int32_t head_dim, float k_scale = 1.0f,
+                                                      float q_scale = 1.0f) noexcept {
 #if defined(__CUDA_ARCH__)
   constexpr std::int32_t chunk = static_cast<std::int32_t>(16 / sizeof(K));
   struct alignas(16) chunk_of {
@@ -290,11 +298,11 @@ KVEVICT_HOST_DEVICE inline float attention_logit_rows(const Q* q, std::int64_t q
   if (head_dim % chunk == 0 && head_dim <= 256 * chunk && reinterpret_cast<std::uintptr_t>(k) % 16 == 0)
     return detail::chunk_tree<9>(head_dim / chunk, [&](std::int32_t c) {
       const chunk_of loaded = reinterpret_cast<const chunk_of*>(k)[c];
-      return detail::chunk_dot(q + std::int64_t{c} * chunk * q_stride, q_stride, loaded.v, chunk);
+      return detail::chunk_dot(q + std::int64_t{c} * chunk * q_stride, q_stride, loaded.v, chunk, q_scale, k_scale);
     });
-  return detail::unaligned_logit(q, q_stride, k, head_dim);
+  return detail::unaligned_logit(q, q_stride, k, head_dim, q_scale, k_scale);
 #else
-  return attention_logit(q, q_stride, k, head_dim);
+  return attention_logit(q, q_stride, k, head_dim, k_scale, q_scale);
 #endif
 }
 
@@ -303,10 +311,11 @@ KVEVICT_HOST_DEVICE inline float attention_logit_rows(const Q* q, std::int64_t q
 /// (one order on every backend; bf16 keys tie often in their own precision,
 /// rarely in float), then a correctly rounded square root. A NaN or an
 /// infinite element, or a sum of squares that overflows float, gives a
-/// value that is not finite: the callers report it (non_finite_kv).
+/// value that is not finite: the callers report it (non_finite_kv). `scale`:
+/// the row's kv_value scale (the view's k_scale(h); 1 for a float cache).
 template <class K>
-KVEVICT_HOST_DEVICE inline float key_norm_score(const K* k, std::int32_t head_dim) noexcept {
-  const float squares = attention_logit_rows(k, 1, k, head_dim);
+KVEVICT_HOST_DEVICE inline float key_norm_score(const K* k, std::int32_t head_dim, float scale) noexcept {
+  const float squares = attention_logit_rows(k, 1, k, head_dim, scale, scale);
 #if defined(__CUDA_ARCH__)
   return -__fsqrt_rn(squares);
 #else

@@ -140,9 +140,11 @@ class exact_greedy_policy : public policy_base<exact_greedy_policy> {
   void require_finite_row(const detail::site& w, const kv_view<T, Layout>& view, std::int32_t b, std::int32_t h,
                           std::int32_t s) const {
     require_row(w, view, b, h, s);
+    require_kv_scales(w, view, h);
+    const float k_scale = view.k_scale(h), v_scale = view.v_scale(h);
     for (std::int32_t d = 0; d < view.head_dim; ++d) {
-      detail::require_finite(w, "view.k", to_float(view.k_row(b, h, s)[d]), b, h, s, d);
-      detail::require_finite(w, "view.v", to_float(view.v_row(b, h, s)[d]), b, h, s, d);
+      detail::require_finite(w, "view.k", kv_value(view.k_row(b, h, s)[d], k_scale), b, h, s, d);
+      detail::require_finite(w, "view.v", kv_value(view.v_row(b, h, s)[d], v_scale), b, h, s, d);
     }
   }
 

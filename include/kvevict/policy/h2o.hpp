@@ -145,9 +145,10 @@ class h2o_policy : public policy_base<h2o_policy> {
         for (std::int32_t d = 0; d < view.head_dim; ++d) detail::require_finite(w, "q", to_float(in.q(q, r, d)), q, r, d);
     return snap_prefill(w, b, length, in, view, "probs from (q, lse)",
                         [&](std::int32_t q, std::int32_t r, std::int32_t p) {
-                          return detail::prefill_query_value(&in.q(q, r, 0), in.q.strides[2],
-                                                             view.k_row(b, q / shape().group_size(), p),
-                                                             view.head_dim, in.scale, in.lse(q, r), in.base);
+                          const std::int32_t h = q / shape().group_size();
+                          return detail::prefill_query_value(&in.q(q, r, 0), in.q.strides[2], view.k_row(b, h, p),
+                                                             view.k_scale(h), view.head_dim, in.scale, in.lse(q, r),
+                                                             in.base);
                         });
   }
 

@@ -38,19 +38,20 @@ namespace kvevict {
 /// unit vector loses nothing above 2^-32 and 2^31 of them fit an int64.
 inline constexpr float key_diff_anchor_scale = 4294967296.0f;
 
-/// ||k||_2 of a key row in float (key_norm_score's order and rounding).
+/// ||k||_2 of a key row in float (key_norm_score's order and rounding);
+/// `scale`: the row's kv_value scale, as everywhere below.
 template <class K>
-KVEVICT_HOST_DEVICE inline float key_length(const K* k, std::int32_t head_dim) noexcept {
-  return -key_norm_score(k, head_dim);
+KVEVICT_HOST_DEVICE inline float key_length(const K* k, std::int32_t head_dim, float scale) noexcept {
+  return -key_norm_score(k, head_dim, scale);
 }
 
 /// Component e of n(k) as the anchor adds it: k[e] / norm, correctly
 /// rounded, times 2^32 (exact), rounded to the nearest integer (ties to
 /// even). norm is key_length(k); a zero key adds 0.
 template <class K>
-KVEVICT_HOST_DEVICE inline std::int64_t key_diff_unit(const K* k, std::int32_t e, float norm) noexcept {
+KVEVICT_HOST_DEVICE inline std::int64_t key_diff_unit(const K* k, std::int32_t e, float scale, float norm) noexcept {
   if (norm == 0.0f) return 0;
-  const float unit = detail::mul(detail::div(to_float(k[e]), norm), key_diff_anchor_scale);
+  const float unit = detail::mul(detail::div(kv_value(k[e], scale), norm), key_diff_anchor_scale);
 #if defined(__CUDA_ARCH__)
   return __float2ll_rn(unit);
 #else
@@ -93,16 +94,17 @@ KVEVICT_HOST_DEVICE inline float key_diff_unit_anchor(float component, float len
 /// and report non_finite_kv.
 template <class K>
 KVEVICT_HOST_DEVICE inline float key_diff_score(const K* k, const float* unit_anchor, std::int32_t head_dim,
-                                                float norm) noexcept {
+                                                float scale, float norm) noexcept {
   if (norm == 0.0f) return 0.0f;
-  const float cosine = detail::div(attention_logit_rows(unit_anchor, 1, k, head_dim), norm);  // k as 16-byte loads
+  const float cosine = detail::div(attention_logit_rows(unit_anchor, 1, k, head_dim, scale), norm);  // 16-byte loads
   return cosine == 0.0f ? 0.0f : -cosine;
 }
 
 /// The same with the key's norm computed here.
 template <class K>
-KVEVICT_HOST_DEVICE inline float key_diff_score(const K* k, const float* unit_anchor, std::int32_t head_dim) noexcept {
-  return key_diff_score(k, unit_anchor, head_dim, key_length(k, head_dim));
+KVEVICT_HOST_DEVICE inline float key_diff_score(const K* k, const float* unit_anchor, std::int32_t head_dim,
+                                                float scale) noexcept {
+  return key_diff_score(k, unit_anchor, head_dim, scale, key_length(k, head_dim, scale));
 }
 
 /// unit[e] = u_e from the anchor's fixed-point sums, by the pieces above.
@@ -116,9 +118,9 @@ KVEVICT_HOST_DEVICE inline void key_diff_unit_anchor_from(const std::int64_t* su
 /// sums += sign * n(k) for key row k of norm key_length(k) (sign +1 adds a
 /// token, -1 removes it).
 template <class K>
-KVEVICT_HOST_DEVICE inline void key_diff_accumulate(std::int64_t* sums, const K* k, std::int32_t head_dim, float norm,
-                                                    std::int64_t sign) noexcept {
-  for (std::int32_t e = 0; e < head_dim; ++e) sums[e] += sign * key_diff_unit(k, e, norm);
+KVEVICT_HOST_DEVICE inline void key_diff_accumulate(std::int64_t* sums, const K* k, std::int32_t head_dim, float scale,
+                                                    float norm, std::int64_t sign) noexcept {
+  for (std::int32_t e = 0; e < head_dim; ++e) sums[e] += sign * key_diff_unit(k, e, scale, norm);
 }
 
 namespace detail {
@@ -131,15 +133,16 @@ template <class T, class Layout>
 std::int32_t key_diff_scores(const kv_view<T, Layout>& cache, std::int32_t b, std::int32_t h, std::int32_t length,
                              std::int64_t* sums, float* unit, float* out) {
   const std::int32_t d = cache.head_dim;
+  const float scale = cache.k_scale(h);
   for (std::int32_t e = 0; e < d; ++e) sums[e] = 0;
   for (std::int32_t p = 0; p < length; ++p) {
     const T* k = cache.k_row(b, h, p);
-    const float norm = key_length(k, d);
+    const float norm = key_length(k, d, scale);
     if (!std::isfinite(norm)) return p;
-    key_diff_accumulate(sums, k, d, norm, 1);
+    key_diff_accumulate(sums, k, d, scale, norm, 1);
   }
   key_diff_unit_anchor_from(sums, d, unit);
-  for (std::int32_t p = 0; p < length; ++p) out[p] = key_diff_score(cache.k_row(b, h, p), unit, d);
+  for (std::int32_t p = 0; p < length; ++p) out[p] = key_diff_score(cache.k_row(b, h, p), unit, d, scale);
   return -1;
 }
 

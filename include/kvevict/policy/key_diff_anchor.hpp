@@ -56,23 +56,28 @@ namespace detail {
 /// `positions`; a free slot holds -1) and writes its unit anchor: adds the
 /// keys of positions >= first_new, or counts every cached key when stale.
 /// Returns the lowest slot among those whose page is unmapped or whose key
-/// norm is not finite (nothing changed: the caller's score pass refuses the
-/// head for it), or -1.
+/// norm is not finite, or 0 when a scale is bad (nothing changed: the
+/// caller's score pass refuses the head for it), or -1.
 KVEVICT_EXEC_CHECK_DISABLE
 template <class T, class Layout>
 KVEVICT_HOST_DEVICE std::int32_t refresh_key_anchor(const key_anchor_view& a, const kv_view<T, Layout>& cache,
                                                     std::int32_t b, std::int32_t h, const std::int32_t* positions,
                                                     std::int32_t width, std::int32_t length) noexcept {
   const std::int32_t first = a.first_new(b, h), d = a.head_dim;
+  if (kv_scale_problem(cache, b, h) != batch_status_clear) return 0;  // the score pass's head check names it
+  const float scale = cache.k_scale(h);
   for (std::int32_t s = 0; s < width; ++s)
-    if (positions[s] >= first &&
-        (!row_is_mapped(cache, b, s) || classify_input(key_length(cache.k_row(b, h, s), d), false) != batch_code::ok))
+    if (positions[s] >= first && (!row_is_mapped(cache, b, s) ||
+                                  classify_input(key_length(cache.k_row(b, h, s), d, scale), false) != batch_code::ok))
       return s;
   std::int64_t* sums = a.sums_of(b, h);
   if (a.upto[a.index(b, h)] < 0)
     for (std::int32_t e = 0; e < d; ++e) sums[e] = 0;
   for (std::int32_t s = 0; s < width; ++s)
-    if (positions[s] >= first) key_diff_accumulate(sums, cache.k_row(b, h, s), d, key_length(cache.k_row(b, h, s), d), 1);
+    if (positions[s] >= first) {
+      const T* k = cache.k_row(b, h, s);
+      key_diff_accumulate(sums, k, d, scale, key_length(k, d, scale), 1);
+    }
   a.upto[a.index(b, h)] = length;
   key_diff_unit_anchor_from(sums, d, a.units_of(b, h));
   return -1;
@@ -87,7 +92,8 @@ template <class T, class Layout>
 KVEVICT_HOST_DEVICE void remove_from_key_anchor(const key_anchor_view& a, const kv_view<T, Layout>& cache,
                                                 std::int32_t b, std::int32_t h, std::int32_t s) noexcept {
   const T* k = cache.k_row(b, h, s);
-  key_diff_accumulate(a.sums_of(b, h), k, a.head_dim, key_length(k, a.head_dim), -1);
+  const float scale = cache.k_scale(h);
+  key_diff_accumulate(a.sums_of(b, h), k, a.head_dim, scale, key_length(k, a.head_dim, scale), -1);
 }
 
 }  // namespace kvevict

@@ -79,7 +79,8 @@ class sequence_observe : public sequence_protocol {
     require_rows(w, view, b, slots().occupied_width(b), occupied(b));
     const query_source<Q, T, Layout> source{as_batch(in, shape_.num_seqs), view, shape_.group_size(), rule().reduce};
     observe_source(w, b, source, "probs from (q, lse)", [&](std::int32_t h, std::int32_t s, const slot_increment& inc) {
-      const float logit = attention_logit_rows(&in.q(inc.query, 0), in.q.strides[1], view.k_row(b, h, s), view.head_dim);
+      const float logit = attention_logit_rows(&in.q(inc.query, 0), in.q.strides[1], view.k_row(b, h, s),
+                                               view.head_dim, view.k_scale(h));
       fail_input(w, "probs from (q, lse)", inc, logit_value(logit, in.scale, in.lse(inc.query), in.base), s);
     });
   }

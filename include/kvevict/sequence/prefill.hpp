@@ -94,7 +94,8 @@ class sequence_prefill : public sequence_observe {
           fail_prefill_column(w, "probs from (q, lse)", "column sums from (q, lse)", shape_.group_size(), h, p, p,
                               length, [&](std::int32_t q, std::int32_t i) {
                                 return prefill_query_value(&in.q(q, i, 0), in.q.strides[2], view.k_row(b, h, p),
-                                                           view.head_dim, in.scale, in.lse(q, i), in.base);
+                                                           view.k_scale(h), view.head_dim, in.scale, in.lse(q, i),
+                                                           in.base);
                               });
         });
   }
@@ -111,7 +112,8 @@ class sequence_prefill : public sequence_observe {
           run_prefill(state(), active_set::of_list(&b, 1), prompts, in, pages, status);
         },
         [&](std::int32_t h, std::int32_t p) {
-          require_finite(w, "-||cache.k||", key_norm_score(in.cache.k_row(b, h, p), in.cache.head_dim), h, p);
+          const float score = key_norm_score(in.cache.k_row(b, h, p), in.cache.head_dim, in.cache.k_scale(h));
+          require_finite(w, "-||cache.k||", score, h, p);
         });
   }
 
