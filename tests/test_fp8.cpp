@@ -190,3 +190,18 @@ TEST_CASE("fp8: the generic conversions and traits") {
   CHECK(kvevict::dequantize(fp8_e5m2::from_bits(0x3E), 4.0f) == 6.0f);
   CHECK(kvevict::dequantize(kvevict::half::from_bits(0x3C00), 2.0f) == 2.0f);
 }
+
+TEST_CASE("fp8: the host's table and the integer decode a GPU runs agree on every code, bit for bit") {
+  // fp8_e4m3_to_float reads detail::e4m3_values on the host and runs
+  // detail::fp8_to_float on a device: both must be the same exact values.
+  for (int c = 0; c < 256; ++c) {
+    CAPTURE(c);
+    const auto code = static_cast<std::uint8_t>(c);
+    const float e4m3 = kvevict::fp8_e4m3_to_float(fp8_e4m3::from_bits(code));
+    const float e5m2 = kvevict::fp8_e5m2_to_float(fp8_e5m2::from_bits(code));
+    const float e4m3_int = kvevict::detail::fp8_to_float(code, kvevict::detail::e4m3_format);
+    const float e5m2_int = kvevict::detail::fp8_to_float(code, kvevict::detail::e5m2_format);
+    CHECK(std::memcmp(&e4m3, &e4m3_int, sizeof(float)) == 0);
+    CHECK(std::memcmp(&e5m2, &e5m2_int, sizeof(float)) == 0);
+  }
+}

@@ -12,6 +12,7 @@
 // types are the codes only. No CUDA header is included.
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 
 #include "kvevict/config.hpp"
@@ -114,13 +115,61 @@ KVEVICT_HOST_DEVICE inline std::uint8_t float_to_fp8(float value, fp8_format f) 
   return static_cast<std::uint8_t>(sign | q);
 }
 
+/// The 256 values of a format, computed at compile time from its formula
+/// with exact float arithmetic (small integers times powers of two), for
+/// the host's decode: one load per code instead of the branches above,
+/// which made an fp8 key row several times slower to read than a bf16 one.
+struct fp8_values {
+  float value[256];
+};
+
+constexpr float fp8_power_of_two(std::int32_t k) noexcept {
+  float p = 1.0f;
+  for (; k > 0; --k) p *= 2.0f;
+  for (; k < 0; ++k) p *= 0.5f;
+  return p;
+}
+
+constexpr fp8_values make_fp8_values(fp8_format f) noexcept {
+  fp8_values t{};
+  const std::int32_t m_bits = static_cast<std::int32_t>(f.mantissa_bits), e_max = (1 << (7 - m_bits)) - 1;
+  for (std::int32_t c = 0; c < 256; ++c) {
+    const std::int32_t e = (c >> m_bits) & e_max, m = c & ((1 << m_bits) - 1);
+    float v = 0.0f;
+    if (f.e4m3 ? (c & 0x7F) == 0x7F : (e == e_max && m != 0)) {
+      v = std::numeric_limits<float>::quiet_NaN();
+    } else if (!f.e4m3 && e == e_max) {
+      v = std::numeric_limits<float>::infinity();
+    } else if (e == 0) {
+      v = static_cast<float>(m) * fp8_power_of_two(1 - f.bias - m_bits);
+    } else {
+      v = static_cast<float>((1 << m_bits) + m) * fp8_power_of_two(e - f.bias - m_bits);
+    }
+    t.value[c] = (c & 0x80) ? -v : v;
+  }
+  return t;
+}
+
+inline constexpr fp8_values e4m3_values = make_fp8_values(e4m3_format);
+inline constexpr fp8_values e5m2_values = make_fp8_values(e5m2_format);
+
 }  // namespace detail
 
+// The device decodes with integer operations (its loads of a table would
+// diverge); both are exact, so they agree bit for bit.
 KVEVICT_HOST_DEVICE inline float fp8_e4m3_to_float(fp8_e4m3 x) noexcept {
+#if defined(__CUDA_ARCH__)
   return detail::fp8_to_float(x.bits, detail::e4m3_format);
+#else
+  return detail::e4m3_values.value[x.bits];
+#endif
 }
 KVEVICT_HOST_DEVICE inline float fp8_e5m2_to_float(fp8_e5m2 x) noexcept {
+#if defined(__CUDA_ARCH__)
   return detail::fp8_to_float(x.bits, detail::e5m2_format);
+#else
+  return detail::e5m2_values.value[x.bits];
+#endif
 }
 KVEVICT_HOST_DEVICE inline fp8_e4m3 float_to_fp8_e4m3(float x) noexcept {
   return fp8_e4m3::from_bits(detail::float_to_fp8(x, detail::e4m3_format));
