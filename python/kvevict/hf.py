@@ -17,8 +17,9 @@ next token's K/V row goes, so no K/V bytes move.
     print(cache.kv_bytes(), "bytes instead of", cache.dynamic_kv_bytes())
 
 Prompts: the first forward of a sequence (the prompt) attends causally over
-the whole prompt; then the prompt is compressed to the budget
-(``prompt_compression``):
+the whole prompt (sdpa, or blocked eager attention when the compression
+reads every probability); then the prompt is compressed to the budget, in
+place in the model's own K/V tensors (``prompt_compression``):
 
 - ``"prefill"`` (default; h2o, recent_window, random): kvevict's batched
   prefill, scored from the column sums of the prompt's attention (H2O's
@@ -46,6 +47,15 @@ number per forward, so the cache grows by their own tokens::
     model.generate(torch.cat([context_ids, question_ids], 1), max_new_tokens=32,
                    **kvevict.hf.generate_kwargs(cache))                        # the question and answer grow it
 
+fp8 K/V (``kv_dtype=torch.float8_e4m3fn`` or ``torch.float8_e5m2``, with
+``k_scale`` / ``v_scale``, one each per layer as vLLM's): the slots hold
+codes, ``x / scale`` rounded to the format and saturated, half the bytes of
+bf16; the policies read them as code x scale, and attention reads them
+dequantized to the model's dtype. The prompt's own attention runs in the
+model's dtype, as an engine's prefill does::
+
+    cache = kvevict.hf.KVEvictCache(config, kv_dtype=torch.float8_e4m3fn, k_scale=0.05, v_scale=0.05)
+
 Beam search and several sequences per prompt (``num_beams``,
 ``num_return_sequences``) work: the cache's ``reorder_cache``,
 ``batch_repeat_interleave`` and ``batch_select_indices`` fork each layer's
@@ -67,6 +77,7 @@ from typing import Any, Dict, List, Literal, Optional
 import torch
 from torch import nn
 from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 try:  # transformers >= 5.0
     from transformers import AttentionInterface
@@ -86,10 +97,11 @@ AfterPrompt = Literal["evict", "grow"]
 _AFTER_PROMPT = ("evict", "grow")
 _PROMPT_MODES = ("prefill", "snapkv", "key_norms", "key_diff", "evict_to")
 _SCORES = ("attention", "key_norms", "key_diff")
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
-# Prompt attention is computed in blocks of query rows beyond this many
-# tokens, so a long prompt never materialises an [L, L] matrix per head.
-_PROMPT_ROWS_PER_BLOCK = 1024
+# The prompt's attention probabilities are computed in blocks of this many
+# query rows, so a long prompt never materialises an [L, L] matrix per head.
+_PROMPT_ROWS_PER_BLOCK = 64
 
 
 class KVEvictLayer(CacheLayerMixin):
@@ -110,19 +122,45 @@ class KVEvictLayer(CacheLayerMixin):
         self.policy: Optional[BatchedPolicy] = None
         self.seen = 0  # tokens of each sequence so far (every sequence has the same length)
         self.records: List[Dict[str, Any]] = []
-        self._pool: Optional[torch.Tensor] = None  # prompt-time pages
-        self._pool_v: Optional[torch.Tensor] = None
         self._table: Optional[torch.Tensor] = None
         self._view: Optional[CacheView] = None
         self._prompt_pending = False
         self._prompt_keys: Optional[torch.Tensor] = None  # recorded: the prompt's keys, then each step's new row
         self._k_new: Optional[torch.Tensor] = None
+        self._dtype: Optional[torch.dtype] = None  # the model's K/V dtype (what attention reads)
 
     # ---- transformers' layer interface -----------------------------------------
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
+        self._dtype = key_states.dtype
         self.is_initialized = True
+
+    # ---- what the slots hold: the model's rows, or fp8 codes ---------------------------
+
+    def _store(self, x: torch.Tensor, scale: float) -> torch.Tensor:
+        """Rows as the slots hold them: fp8 codes of x / scale (saturated), or x."""
+        fmt = self.cache.kv_dtype
+        if fmt is None:
+            return x
+        top = torch.finfo(fmt).max
+        return (x.float() / scale).clamp(-top, top).to(fmt)
+
+    def _load(self, x: torch.Tensor, scale: float) -> torch.Tensor:
+        """Slots as attention reads them: code x scale in the model's dtype, or x."""
+        if self.cache.kv_dtype is None:
+            return x
+        return (x.float() * scale).to(self._dtype)
+
+    def _view_of(self, keys: torch.Tensor, values: torch.Tensor, table: torch.Tensor) -> CacheView:
+        """HND pages [pages, heads, budget + 1, head_dim] with their table."""
+        return self._scaled_view(keys, values, "paged_hnd", table)
+
+    def _scaled_view(self, keys: torch.Tensor, values: torch.Tensor, layout: str, table: Any = None) -> CacheView:
+        c = self.cache
+        if c.kv_dtype is None:
+            return CacheView(keys, values, layout, table)
+        return CacheView(keys, values, layout, table, k_scale=c.k_scale, v_scale=c.v_scale)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
         B, H, q_len, D = key_states.shape
@@ -147,12 +185,14 @@ class KVEvictLayer(CacheLayerMixin):
             )
         if self.layer_idx == 0 and self.policy._cuda:
             self.cache.check()  # the last step's refusals: a CUDA call does not wait to raise them
-        self.policy.append(cache=self._view, k_new=key_states[:, :, 0], v_new=value_states[:, :, 0])
+        c = self.cache
+        self.policy.append(cache=self._view, k_new=self._store(key_states[:, :, 0], c.k_scale),
+                           v_new=self._store(value_states[:, :, 0], c.v_scale))
         if self.cache.record:
             self._k_new = key_states[:, :, 0].cpu()
         self.seen += 1
         n = min(self.seen, self.policy.budget + 1)  # occupied: exactly slots [0, n) of every head
-        keys, values = self.keys[:, :, :n], self.values[:, :, :n]
+        keys, values = self._load(self.keys[:, :, :n], c.k_scale), self._load(self.values[:, :, :n], c.v_scale)
         keys._kvevict_layer = self  # how the attention function finds the policy
         return keys, values
 
@@ -177,7 +217,7 @@ class KVEvictLayer(CacheLayerMixin):
         self.policy = None
         self.seen = 0
         self.keys = self.values = None
-        self._pool = self._pool_v = self._table = self._view = None
+        self._table = self._view = None
         self._prompt_keys = self._k_new = None
         self._prompt_pending = False
         self.records = []
@@ -223,13 +263,13 @@ class KVEvictLayer(CacheLayerMixin):
                                             p.capacity, device)
             grown.fork_from(p, sources)
             self.policy = grown
-        self.keys = self.keys.index_select(0, idx)
-        self.values = self.values.index_select(0, idx)
+        self.keys = _bits(self.keys).index_select(0, idx).view(self.keys.dtype)
+        self.values = _bits(self.values).index_select(0, idx).view(self.values.dtype)
         table = torch.full((idx.numel(), self._table.shape[1]), -1, dtype=torch.int32, device=self._table.device)
         table[:, 0] = torch.arange(idx.numel(), dtype=torch.int32, device=table.device)
         self._table = table
         grow = self.cache.after_prompt == "grow"
-        self._view = None if grow else CacheView.paged(self.keys, self.values, table, order="hnd")
+        self._view = None if grow else self._view_of(self.keys, self.values, table)
         if self.cache.record:
             self.records.append({"kind": "select", "indices": idx.cpu()})
 
@@ -237,11 +277,13 @@ class KVEvictLayer(CacheLayerMixin):
         """after_prompt="grow": the tokens after the prompt join the kept
         rows, none evicted (kvpress's protocol); any number per forward,
         causal among themselves (the attention function masks them)."""
-        self.keys = torch.cat([self.keys, key_states], dim=2)
-        self.values = torch.cat([self.values, value_states], dim=2)
+        c = self.cache
+        self.keys = _cat(self.keys, self._store(key_states, c.k_scale))
+        self.values = _cat(self.values, self._store(value_states, c.v_scale))
         self.seen += key_states.shape[2]
-        self.keys._kvevict_layer = self
-        return self.keys, self.values
+        keys, values = self._load(self.keys, c.k_scale), self._load(self.values, c.v_scale)
+        keys._kvevict_layer = self
+        return keys, values
 
     # ---- the prompt -------------------------------------------------------------------
 
@@ -256,80 +298,73 @@ class KVEvictLayer(CacheLayerMixin):
         key_states._kvevict_layer = self
         return key_states, value_states
 
-    def _place_prompt(self, key_states: torch.Tensor, value_states: torch.Tensor, num_q_heads: int) -> None:
-        """Builds the policy (the query heads are known now) and puts the
-        prompt's K/V in slots [0, L) of pages of budget + 1 slots (HND pages;
-        sequence b's pages are b, then B + b * (n - 1) ...)."""
-        B, H, L, D = key_states.shape
-        capacity = self.cache._capacity_for_prompt(L)
-        self.policy = self.cache._make_policy(B, H, num_q_heads, D, capacity, key_states.device)
-        P = self.policy.budget + 1
-        pages = self.policy.capacity // P
-        pool = key_states.new_empty((B * pages, H, P, D))
-        pool_v = value_states.new_empty((B * pages, H, P, D))
-        table = torch.empty((B, pages), dtype=torch.int32)
-        table[:, 0] = torch.arange(B, dtype=torch.int32)
-        if pages > 1:
-            table[:, 1:] = B + torch.arange(B * (pages - 1), dtype=torch.int32).view(B, pages - 1)
-        for j in range(pages):  # page j of every sequence: positions [j * P, (j + 1) * P)
-            lo, hi = j * P, min((j + 1) * P, L)
-            if lo >= hi:
-                break
-            pool[table[:, j].long(), :, : hi - lo] = key_states[:, :, lo:hi]
-            pool_v[table[:, j].long(), :, : hi - lo] = value_states[:, :, lo:hi]
-        self._pool, self._pool_v, self._table = pool, pool_v, table.to(key_states.device)
-        if self.cache.record:
-            self._prompt_keys = key_states.cpu()
-        self._view = CacheView.paged(pool, pool_v, self._table, order="hnd")
+    def _compress_prompt(self, key: torch.Tensor, value: torch.Tensor, num_q_heads: int, stats: "_PromptStats",
+                         last_query: torch.Tensor, scale: float) -> None:
+        """After the prompt's attention: builds the policy (the query heads are
+        known now), compresses the prompt's K/V in place to the budget, and
+        keeps the first budget + 1 slots of each head as the layer's slots.
 
-    def _finish_prompt(self, column_sums: Optional[torch.Tensor], window_probs: Optional[torch.Tensor],
-                       last_probs: torch.Tensor, last_query: torch.Tensor, last_lse: torch.Tensor,
-                       scale: float) -> None:
-        policy = self.policy
-        B, L = policy.num_seqs, self.seen
-        mode = self.cache.prompt_compression
-        lengths = torch.full((B,), L, dtype=torch.int32, device=self._pool.device)
+        A prompt longer than budget + 1 is compressed in the model's own K/V
+        tensors (fp8: in the codes of them), viewed as a BHSD cache of L slots,
+        so the layer never holds more rows than the prompt has; a shorter one
+        goes to slots of its own. Either way the slots are then HND pages
+        [batch, heads, budget + 1, head_dim], page b for sequence b, and the
+        page table names no other page."""
+        B, H, L, D = key.shape
+        c = self.cache
+        P = c.config.budget + 1
+        capacity = max(L, P)
+        self.policy = policy = c._make_policy(B, H, num_q_heads, D, capacity, key.device)
+        if c.record:
+            self._prompt_keys = key.to("cpu", copy=True)  # a copy: the compression moves rows within key
+        stored_k, stored_v = self._store(key, c.k_scale), self._store(value, c.v_scale)
+        if L > P:
+            buf_k, buf_v = stored_k, stored_v  # the model's tensors (or their codes), compressed in place
+            view = self._scaled_view(buf_k, buf_v, "bhsd")
+        else:
+            buf_k, buf_v = stored_k.new_zeros((B, H, P, D)), stored_v.new_zeros((B, H, P, D))
+            _bits(buf_k)[:, :, :L] = _bits(stored_k)
+            _bits(buf_v)[:, :, :L] = _bits(stored_v)
+            view = self._view_of(buf_k, buf_v, torch.arange(B, dtype=torch.int32, device=key.device).view(B, 1))
+        c._note_held(self, buf_k.nbytes + buf_v.nbytes)
+        lengths = torch.full((B,), L, dtype=torch.int32, device=key.device)
+        mode = c.prompt_compression
         if mode == "prefill":
-            if self.cache._h2o:
-                policy.prefill(lengths, column_sums=column_sums, cache=self._view, max_length=L)
+            if c._h2o:
+                policy.prefill(lengths, column_sums=stats.column_sums, cache=view, max_length=L)
             else:
-                policy.prefill(lengths, cache=self._view, max_length=L)
+                policy.prefill(lengths, cache=view, max_length=L)
         elif mode == "snapkv":
-            policy.prefill_snapkv(lengths, cache=self._view, snap=self.cache.snap, probs=window_probs, max_length=L)
+            policy.prefill_snapkv(lengths, cache=view, snap=c.snap, probs=stats.window_probs, max_length=L)
         elif mode == "key_norms":
-            policy.prefill_key_norms(lengths, cache=self._view, max_length=L)
+            policy.prefill_key_norms(lengths, cache=view, max_length=L)
         elif mode == "key_diff":
-            policy.prefill_key_diff(lengths, cache=self._view, max_length=L)
+            policy.prefill_key_diff(lengths, cache=view, max_length=L)
         else:
             policy.append_tokens(L)
-            if self.cache._greedy:
-                policy.observe_evict(queries=last_query, lse=last_lse, scale=scale, cache=self._view)
-                policy.evict_to(policy.budget, cache=self._view, queries=last_query, lse=last_lse, scale=scale)
+            if c._greedy:
+                policy.observe_evict(queries=last_query, lse=stats.last_lse, scale=scale, cache=view)
+                policy.evict_to(policy.budget, cache=view, queries=last_query, lse=stats.last_lse, scale=scale)
             else:
-                policy.observe_evict(probs=last_probs)
-                policy.evict_to(policy.budget, cache=self._view)
-        if self.cache.record:
-            self.records.append({"kind": "prompt", "length": L, "column_sums": None if column_sums is None else column_sums.cpu(),
-                                 "last_probs": last_probs.cpu(), "keys": self._prompt_keys})
+                policy.observe_evict(probs=stats.last_probs)
+                policy.evict_to(policy.budget, cache=view)
+        if c.record:
+            self.records.append({"kind": "prompt", "length": L,
+                                 "column_sums": None if stats.column_sums is None else stats.column_sums.cpu(),
+                                 "last_probs": stats.last_probs.cpu(), "keys": self._prompt_keys})
         self._prompt_keys = None
-        # Every kept token is now in slots [0, budget + 1) of each head, the
-        # first page of its sequence: that page is the cache from here on.
-        B_pages = self._pool.shape[0]
-        if B_pages > B:
-            self.keys = self._pool[:B].clone()
-            self.values = self._pool_v[:B].clone()
-        else:
-            self.keys, self.values = self._pool, self._pool_v
-        table = torch.full_like(self._table, -1)  # later pages are gone: never touched again
+        # Every kept token is now in slots [0, budget + 1) of each head: those
+        # slots are the cache from here on (a copy, so the prompt's rows go).
+        kept = min(L, policy.budget) if c.after_prompt == "grow" else P
+        self.keys = _bits(buf_k)[:, :, :kept].contiguous().view(buf_k.dtype)
+        self.values = _bits(buf_v)[:, :, :kept].contiguous().view(buf_v.dtype)
+        c._note_held(self, buf_k.nbytes + buf_v.nbytes + self.keys.nbytes + self.values.nbytes)
+        table = torch.full((B, -(-capacity // P)), -1, dtype=torch.int32, device=key.device)
         table[:, 0] = torch.arange(B, dtype=torch.int32, device=table.device)
-        self._pool = self._pool_v = None
         self._table = table
-        self._view = CacheView.paged(self.keys, self.values, table, order="hnd")
+        self._view = None if c.after_prompt == "grow" else self._view_of(self.keys, self.values, table)
         self._prompt_pending = False
-        if self.cache.after_prompt == "grow":  # the kept rows, slots [0, kept) of every head, and nothing more
-            kept = min(L, policy.budget)
-            self.keys, self.values = self.keys[:, :, :kept].clone(), self.values[:, :, :kept].clone()
-            self._view = None
+        c._note_held(self, self.keys.nbytes + self.values.nbytes)
 
     # ---- a decode step, from the attention function ------------------------------------
 
@@ -377,6 +412,12 @@ class KVEvictCache(Cache):
             compressed to the budget, then later tokens (a question, the
             answer) join the kept rows and none is evicted, any number per
             forward.
+        kv_dtype: ``None`` keeps the model's dtype; ``torch.float8_e4m3fn``
+            or ``torch.float8_e5m2`` keeps fp8 codes of ``x / k_scale`` and
+            ``x / v_scale`` (saturated), which the policies read as code x
+            scale and attention reads dequantized.
+        k_scale, v_scale: the fp8 scales, one each for every layer
+            (positive, finite); 1.0 by default.
     """
 
     def __init__(
@@ -389,8 +430,24 @@ class KVEvictCache(Cache):
         max_length: Optional[int] = None,
         record: bool = False,
         after_prompt: AfterPrompt = "evict",
+        kv_dtype: Optional[torch.dtype] = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> None:
         super().__init__(layers=[])
+        if kv_dtype is not None and kv_dtype not in _FP8:
+            raise _ext.InvalidArgument(
+                f"kvevict.hf: argument 'kv_dtype' = {kv_dtype} is not None (the model's dtype), torch.float8_e4m3fn "
+                "or torch.float8_e5m2"
+            )
+        for name, x in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if not (isinstance(x, (int, float)) and math.isfinite(x) and x > 0):
+                raise _ext.InvalidArgument(f"kvevict.hf: argument '{name}' = {x!r} is not a positive finite number")
+            if kv_dtype is None and x != 1.0:
+                raise _ext.InvalidArgument(f"kvevict.hf: argument '{name}' applies to an fp8 kv_dtype only")
+        self.kv_dtype = kv_dtype
+        self.k_scale, self.v_scale = float(k_scale), float(v_scale)
+        self._peak_kv_bytes = 0
         self.config = config
         self._greedy = isinstance(config, ExactGreedyConfig)
         self._h2o = type(config).__name__ == "H2OConfig"
@@ -439,12 +496,6 @@ class KVEvictCache(Cache):
             )
         self.after_prompt = after_prompt
 
-    def _capacity_for_prompt(self, L: int) -> int:
-        # The state's capacity covers the prompt (whole pages of budget + 1
-        # slots); after it only the first page is ever used again.
-        budget = self.config.budget
-        return max(1, math.ceil(L / (budget + 1))) * (budget + 1)
-
     def _make_policy(self, B: int, H: int, Hq: int, D: int, capacity: int, device: torch.device) -> BatchedPolicy:
         extra = dict(max_tokens=max(self.max_length, capacity), head_dim=D) if self._greedy else {}
         if self.scores == "key_diff":
@@ -490,14 +541,36 @@ class KVEvictCache(Cache):
         """Bytes of K and V the cache holds now, all layers."""
         return sum(l.keys.nbytes + l.values.nbytes for l in self.layers if l.keys is not None)
 
+    def peak_kv_bytes(self) -> int:
+        """The most bytes of K and V the cache held at once, all layers: while a
+        layer compresses its prompt it holds the prompt's rows (the model's
+        own K/V, or their fp8 codes) and, for the copy, its new slots; every
+        other layer holds its slots."""
+        return max(self._peak_kv_bytes, self.kv_bytes())
+
+    def _note_held(self, layer: KVEvictLayer, layer_bytes: int) -> None:
+        others = sum(l.keys.nbytes + l.values.nbytes for l in self.layers if l is not layer and l.keys is not None)
+        self._peak_kv_bytes = max(self._peak_kv_bytes, others + layer_bytes)
+
     def dynamic_kv_bytes(self) -> int:
         """Bytes a DynamicCache would hold for the same tokens."""
         total = 0
         for l in self.layers:
             if l.keys is not None:
                 B, H, _, D = l.keys.shape
-                total += 2 * B * H * l.seen * D * l.keys.element_size()
+                total += 2 * B * H * l.seen * D * torch.empty((), dtype=l._dtype).element_size()  # the model's dtype
         return total
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """x, or an fp8 tensor's bytes (uint8, the same memory): indexing and
+    copies of fp8 tensors go through their bytes, which every torch build has."""
+    return x.view(torch.uint8) if x.dtype in _FP8 else x
+
+
+def _cat(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a and b joined along the slots (dimension 2)."""
+    return torch.cat([_bits(a), _bits(b)], dim=2).view(a.dtype)
 
 
 # ---- the attention implementation -----------------------------------------------------------
@@ -509,6 +582,78 @@ def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
         return x
     B, H, S, D = x.shape
     return x[:, :, None, :, :].expand(B, H, groups, S, D).reshape(B, H * groups, S, D)
+
+
+class _PromptStats:
+    """What a prompt's compression reads of its attention: the column sums
+    of the causal probabilities (h2o's prefill), the last ``window`` rows'
+    probabilities (SnapKV), the last row's probabilities and LSE (evict_to)."""
+
+    __slots__ = ("column_sums", "window_probs", "last_probs", "last_lse")
+
+    def __init__(self) -> None:
+        self.column_sums: Optional[torch.Tensor] = None
+        self.window_probs: Optional[torch.Tensor] = None
+        self.last_probs: Optional[torch.Tensor] = None
+        self.last_lse: Optional[torch.Tensor] = None
+
+
+def _prompt_attention(cache: "KVEvictCache", module: nn.Module, query: torch.Tensor, key: torch.Tensor,
+                      value: torch.Tensor, scaling: float, dropout: float):
+    """The prompt's causal attention output [B, L, Hq, D] and what its
+    compression reads of the probabilities (_PromptStats).
+
+    H2O's column sums read every probability: the output comes from the
+    same blocks (eager attention's arithmetic: logits in the model's dtype
+    times ``scaling``, softmax in float32, probabilities in the model's
+    dtype times V). Every other mode reads at most the last ``window`` rows:
+    the output is transformers' sdpa, what the dynamic cache computes, and
+    only those rows are computed again. Blocks of query rows meet the keys
+    up to the block's last row only (the rest is masked), so a long prompt
+    never materialises an [L, L] matrix per head; a group's query heads
+    share their KV head's keys (no repeated K or V)."""
+    B, Hq, L, D = query.shape
+    H = key.shape[1]
+    g = Hq // H
+    stats = _PromptStats()
+    need_sums = cache._h2o and cache.prompt_compression == "prefill"
+    window = cache.snap.window if cache.snap is not None else 0
+    out = None
+    if need_sums:
+        stats.column_sums = torch.zeros((B, Hq, L), dtype=torch.float32, device=query.device)
+        out = query.new_empty((B, L, Hq, D))
+    else:
+        out, _ = sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling,
+                                        is_causal=True)
+    first_read = 0 if need_sums else L - max(window, 1)
+    windows = []
+    q = query.reshape(B, H, g, L, D)  # query head h * g + j is row j of KV head h's group
+    step = _PROMPT_ROWS_PER_BLOCK
+    for lo in range(first_read - first_read % step, L, step):
+        hi = min(lo + step, L)
+        rows = hi - lo
+        w = torch.matmul(q[:, :, :, lo:hi].reshape(B, H, g * rows, D), key[:, :, :hi].transpose(2, 3))
+        w = w.mul_(scaling).view(B, H, g, rows, hi)  # in place: eager's product, no second [rows, hi] tensor
+        causal = torch.ones((rows, rows), dtype=torch.bool, device=query.device).triu(1)  # row lo + r sees <= lo + r
+        w[..., lo:hi].masked_fill_(causal, torch.finfo(w.dtype).min)
+        p32 = nn.functional.softmax(w, dim=-1, dtype=torch.float32)
+        if need_sums:
+            probs = nn.functional.dropout(p32.to(query.dtype), p=dropout, training=module.training)
+            block = torch.matmul(probs.view(B, H, g * rows, hi), value[:, :, :hi])  # [B, H, g * rows, D]
+            out[:, lo:hi] = block.view(B, Hq, rows, D).transpose(1, 2)
+        p32 = p32.view(B, Hq, rows, hi)
+        if need_sums:  # a product with ones: BLAS reads the block once, faster than a reduction across rows
+            ones = torch.ones((1, rows), dtype=torch.float32, device=query.device)
+            stats.column_sums[:, :, :hi] += torch.matmul(ones, p32).squeeze(2)
+        if window and hi > L - window:
+            part = p32[:, :, max(L - window, lo) - lo:]
+            windows.append(nn.functional.pad(part, (0, L - hi)))  # zeros right of the causal edge
+        if hi == L:
+            stats.last_probs = p32[:, :, -1, :]
+            stats.last_lse = torch.logsumexp(w.view(B, Hq, rows, hi)[:, :, -1].float(), dim=-1)
+    if windows:
+        stats.window_probs = torch.cat(windows, dim=2).contiguous()
+    return out, stats
 
 
 def _eager(module: nn.Module, query, key, value, attention_mask, scaling, dropout=0.0):
@@ -550,31 +695,13 @@ def kvevict_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
         L = key.shape[2]
         if q_len != L:
             raise NotImplementedError("kvevict.hf: the prompt forward must hold the whole prompt")
-        layer._place_prompt(key, value, Hq)
-        causal = torch.full((L, L), torch.finfo(query.dtype).min, dtype=query.dtype, device=query.device).triu(1)
         snap = layer.cache.snap
         if snap is not None and L < snap.window:
             raise _ext.OutOfRange(
                 f"kvevict.hf: the prompt has {L} tokens, fewer than the SnapKV window of {snap.window} rows"
             )
-        first_window_row = L - snap.window if snap is not None else L
-        outs, sums, window = [], None, []
-        last_probs = last_w = None
-        step = L if L <= _PROMPT_ROWS_PER_BLOCK else _PROMPT_ROWS_PER_BLOCK
-        for lo in range(0, L, step):
-            hi = min(lo + step, L)
-            out, _, w, p32 = _eager(module, query[:, :, lo:hi], key, value, causal[lo:hi], scaling, dropout)
-            outs.append(out)
-            if layer.cache._h2o and layer.cache.prompt_compression == "prefill":
-                part = p32.sum(dim=2)
-                sums = part if sums is None else sums + part
-            if hi > first_window_row:  # SnapKV's observation window: the last rows only
-                window.append(p32[:, :, max(first_window_row, lo) - lo:])
-            last_probs, last_w = p32[:, :, -1, :], w[:, :, -1, :]
-        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-        lse = torch.logsumexp(last_w.float(), dim=-1)
-        window_probs = torch.cat(window, dim=2).contiguous() if window else None
-        layer._finish_prompt(sums, window_probs, last_probs, query[:, :, -1], lse, scale)
+        out, stats = _prompt_attention(layer.cache, module, query, key, value, scaling, dropout)
+        layer._compress_prompt(key, value, Hq, stats, query[:, :, -1], scale)
         return out, None
     if layer.cache.after_prompt == "grow":
         # The new rows are the last q_len: row i sees the kept rows and new rows [0, i].

@@ -81,30 +81,45 @@ def replay_attention(cache, watch, config, prompt_length, steps):
                                           err_msg=f"layer {layer_idx} step {step}")  # fmt: skip
 
 
-def replay_keys(cache, watch, config, prompt_length, steps, scores):
+def fp8_codes(x, fmt, scale):
+    """What an fp8 cache holds for rows x: x / scale rounded to the format,
+    saturated to its largest finite value (as vLLM's and kvevict.hf's)."""
+    top = torch.finfo(fmt).max
+    return (x.float() / scale).clamp(-top, top).to(fmt)
+
+
+def replay_keys(cache, watch, config, prompt_length, steps, scores, kv_dtype=None, k_scale=1.0):
     """Every layer's recorded keys (the prompt's, then each step's new one),
-    in a BHSD buffer of the replay's own, through the per-sequence
+    in a BHSD buffer of the replay's own (fp8 codes with ``k_scale`` when
+    ``kv_dtype`` is given, quantized here), through the per-sequence
     h2o_policy's key-scored prefill and steps (`scores`: "key_norms" or
     "key_diff")."""
     L = prompt_length
     for layer_idx, layer in enumerate(cache.layers):
         p, ref, records = layer.policy, reference_policy(config, layer), layer.records
         assert records[0]["kind"] == "prompt" and len(records) == steps
-        prompt = records[0]["keys"].numpy()
-        k = np.zeros((p.num_seqs, p.num_kv_heads, p.capacity, prompt.shape[-1]), prompt.dtype)
-        v = np.zeros_like(k)
-        k[:, :, :L] = prompt
+        prompt = records[0]["keys"]
+        shape = (p.num_seqs, p.num_kv_heads, p.capacity, prompt.shape[-1])
+        if kv_dtype is None:
+            k = torch.zeros(shape, dtype=prompt.dtype)
+            store = lambda x: x  # noqa: E731
+        else:
+            k = torch.zeros(shape, dtype=kv_dtype)
+            store = lambda x: fp8_codes(x, kv_dtype, k_scale)  # noqa: E731
+        bits = lambda t: t.view(torch.uint8) if kv_dtype is not None else t  # noqa: E731
+        bits(k)[:, :, :L] = bits(store(prompt))
+        view = kv.CacheView(k, k.clone(), "bhsd", **({} if kv_dtype is None else dict(k_scale=k_scale, v_scale=1.0)))
         for b in range(p.num_seqs):
-            getattr(ref, f"prefill_{scores}")(b, L, k, v)
+            getattr(ref, f"prefill_{scores}")(b, L, view)
         np.testing.assert_array_equal(ref.positions(), watch.positions[0][layer_idx].numpy(), err_msg=f"layer {layer_idx} prompt")
         for step, record in enumerate(records[1:], start=1):
-            k_new = record["k_new"].numpy()
+            k_new = bits(store(record["k_new"]))
             for b in range(p.num_seqs):
                 position = ref.append(b)
                 for h in range(p.num_kv_heads):
                     (slot,) = np.flatnonzero(ref.positions()[b, h] == position)
-                    k[b, h, slot] = k_new[b, h]
-                getattr(ref, f"observe_{scores}")(b, k)
+                    bits(k)[b, h, slot] = k_new[b, h]
+                getattr(ref, f"observe_{scores}")(b, view)
                 ref.evict(b)
             np.testing.assert_array_equal(ref.positions(), watch.positions[step][layer_idx].numpy(),
                                           err_msg=f"layer {layer_idx} step {step}")  # fmt: skip

@@ -80,6 +80,87 @@ def test_key_scored_steps_keep_what_the_cpp_policy_keeps(tiny, scores):
     hf_replay.replay_keys(cache, watch, config, PROMPT, out.shape[1] - PROMPT, scores)
 
 
+@pytest.mark.parametrize("fmt", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("scores", ["attention", "key_norms", "key_diff"])
+def test_fp8_slots_hold_codes_and_keep_what_the_cpp_policy_keeps_on_them(tiny, fmt, scores):
+    # The slots hold fp8 codes of x / scale; a policy reads them as code x
+    # scale: the replay quantizes the recorded keys itself and runs the C++
+    # per-sequence policy on an fp8 CacheView with the same scale.
+    model, ids = tiny
+    total = PROMPT + NEW_TOKENS
+    if scores == "attention":
+        config = kv.H2OConfig.from_ratios(total, 0.1, 0.1)
+        cache = kvhf.KVEvictCache(config, record=True, kv_dtype=fmt, k_scale=0.37, v_scale=0.29)
+    else:
+        config = kv.H2OConfig.key_norm(total // 10, total // 10, 2)
+        cache = kvhf.KVEvictCache(config, scores=scores, record=True, kv_dtype=fmt, k_scale=0.37, v_scale=0.29)
+    watch = hf_replay.Watch(cache, config.budget + 1, HEAD_DIM)
+    out = generate(model, ids, cache, logits_processor=transformers.LogitsProcessorList([watch]))
+    steps = out.shape[1] - PROMPT
+    assert all(layer.keys.dtype == fmt and layer.values.dtype == fmt for layer in cache.layers)
+    assert cache.kv_bytes() * 4 == sum(2 * layer.keys.numel() * 4 for layer in cache.layers)  # a float32 model's quarter
+    if scores == "attention":
+        hf_replay.replay_attention(cache, watch, config, PROMPT, steps)
+    else:
+        hf_replay.replay_keys(cache, watch, config, PROMPT, steps, scores, kv_dtype=fmt, k_scale=0.37)
+
+
+def test_fp8_codes_decode_close_to_the_full_precision_cache(tiny):
+    # With a budget covering the sequence nothing is evicted. The prompt's
+    # logits are the full-precision cache's exactly (its attention runs in
+    # the model's dtype); the prompt rows the slots hold afterwards decode
+    # to within one e4m3 rounding of the model's.
+    model, ids = tiny
+    config = kv.H2OConfig(28, 28)
+    full = model(ids, **kvhf.generate_kwargs(kvhf.KVEvictCache(config))).logits
+    fp8_cache = kvhf.KVEvictCache(config, kv_dtype=torch.float8_e4m3fn, k_scale=0.05, v_scale=0.05)
+    fp8 = model(ids, **kvhf.generate_kwargs(fp8_cache)).logits
+    assert torch.equal(full, fp8)  # the prompt's attention runs in the model's dtype
+    cache = kvhf.KVEvictCache(config, kv_dtype=torch.float8_e4m3fn, k_scale=0.05, v_scale=0.05)
+    reference = kvhf.KVEvictCache(config)
+    generate(model, ids, cache)
+    generate(model, ids, reference)
+    layer, ref_layer = cache.layers[0], reference.layers[0]
+    decoded = layer.keys[:, :, :PROMPT].float() * 0.05  # the prompt's rows: the same tokens in both
+    want_keys = ref_layer.keys[:, :, :PROMPT].float()
+    assert float((decoded - want_keys).abs().max()) <= float(want_keys.abs().max()) / 16  # e4m3: 3 mantissa bits
+
+
+def test_fp8_options_are_checked():
+    config = kv.H2OConfig(4, 4)
+    with pytest.raises(kv.InvalidArgument, match="'kv_dtype'"):
+        kvhf.KVEvictCache(config, kv_dtype=torch.int8)
+    with pytest.raises(kv.InvalidArgument, match="'k_scale' = 0.0 is not a positive finite number"):
+        kvhf.KVEvictCache(config, kv_dtype=torch.float8_e4m3fn, k_scale=0.0)
+    with pytest.raises(kv.InvalidArgument, match="'v_scale' = nan"):
+        kvhf.KVEvictCache(config, kv_dtype=torch.float8_e5m2, v_scale=float("nan"))
+    with pytest.raises(kv.InvalidArgument, match="'k_scale' applies to an fp8 kv_dtype only"):
+        kvhf.KVEvictCache(config, k_scale=2.0)
+
+
+@pytest.mark.parametrize("mode", ["prefill", "snapkv", "key_norms"])
+def test_the_prompt_is_compressed_in_the_models_own_rows(tiny, mode):
+    # A layer compresses the prompt where the model put its K/V, so it never
+    # holds more rows than the prompt has: at most, the last layer holds the
+    # prompt's rows and its new slots while it copies them out, every other
+    # layer its slots, all below the dynamic cache's whole prompt.
+    model, ids = tiny
+    budget = (PROMPT + NEW_TOKENS) // 5
+    if mode == "key_norms":
+        config, kw = kv.H2OConfig.key_norm(budget // 2, budget // 2), dict(scores="key_norms")
+    else:
+        config, kw = kv.H2OConfig(budget // 2, budget // 2), dict(prompt_compression=mode,
+                                                                  snap=kv.SnapKV(window=8) if mode == "snapkv" else None)
+    cache = kvhf.KVEvictCache(config, **kw)
+    with torch.no_grad():
+        model(ids, **kvhf.generate_kwargs(cache))
+    B, H, layers, P = ids.shape[0], 2, 2, config.budget + 1
+    row = 2 * B * H * HEAD_DIM * 4  # K and V of one slot of every head, float32
+    assert cache.kv_bytes() == layers * P * row
+    assert cache.peak_kv_bytes() == PROMPT * row + P * row + (layers - 1) * P * row
+    assert cache.peak_kv_bytes() < cache.dynamic_kv_bytes() == layers * PROMPT * row
+
+
 def test_sampling_is_reproducible(tiny):
     model, ids = tiny
     config = kv.H2OConfig.from_ratios(PROMPT + NEW_TOKENS, 0.1, 0.1)
