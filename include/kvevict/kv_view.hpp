@@ -39,19 +39,13 @@ struct kv_view {
     return v + layout.row_offset(b, h, s);
   }
   /// The scale of head h's keys (values): its fp8 scale, 1 for a float cache.
-  KVEVICT_HOST_DEVICE float k_scale(std::int32_t h) const noexcept {
+  KVEVICT_HOST_DEVICE float k_scale(std::int32_t h) const noexcept { return scale_in(scales.k, h); }
+  KVEVICT_HOST_DEVICE float v_scale(std::int32_t h) const noexcept { return scale_in(scales.v, h); }
+  KVEVICT_HOST_DEVICE float scale_in(const float* array, std::int32_t h) const noexcept {
     if constexpr (is_fp8_v<std::remove_cv_t<T>>) {
-      return scales.k_of(h);
+      return array[scales.index(h)];
     } else {
-      (void)h;
-      return 1.0f;
-    }
-  }
-  KVEVICT_HOST_DEVICE float v_scale(std::int32_t h) const noexcept {
-    if constexpr (is_fp8_v<std::remove_cv_t<T>>) {
-      return scales.v_of(h);
-    } else {
-      (void)h;
+      (void)array, (void)h;
       return 1.0f;
     }
   }
@@ -232,12 +226,8 @@ KVEVICT_HOST_DEVICE bool row_is_mapped(const kv_view<T, Layout>& view, std::int3
 /// or values checks it per head before reading one.
 template <class T, class Layout>
 KVEVICT_HOST_DEVICE std::int32_t bad_kv_scale(const kv_view<T, Layout>& view, std::int32_t h) noexcept {
-  if constexpr (is_fp8_v<std::remove_cv_t<T>>) {
-    if (!is_valid_kv_scale(view.scales.k_of(h))) return 0;
-    if (!is_valid_kv_scale(view.scales.v_of(h))) return 1;
-  } else {
-    (void)view, (void)h;
-  }
+  if (!is_valid_kv_scale(view.k_scale(h))) return 0;  // a float cache's scales are 1
+  if (!is_valid_kv_scale(view.v_scale(h))) return 1;
   return -1;
 }
 
@@ -257,7 +247,7 @@ template <class Where, class T, class Layout>
 void require_kv_scales(const Where& where, const kv_view<T, Layout>& view, std::int32_t h) {
   const std::int32_t bad = bad_kv_scale(view, h);
   if (bad < 0) return;
-  const std::int32_t i = view.scales.per_head ? h : 0;
+  const std::int32_t i = view.scales.index(h);
   detail::fail<invalid_argument>(where, detail::concat(bad == 0 ? "view.scales.k[" : "view.scales.v[", i, "]"), "= ",
                                  bad == 0 ? view.scales.k[i] : view.scales.v[i],
                                  " is not a positive finite scale (an fp8 code's value is code x scale)");

@@ -629,13 +629,15 @@ def _prompt_attention(cache: "KVEvictCache", module: nn.Module, query: torch.Ten
     windows = []
     q = query.reshape(B, H, g, L, D)  # query head h * g + j is row j of KV head h's group
     step = _PROMPT_ROWS_PER_BLOCK
+    # made once: row r of a block sees columns <= r of its own rows; the sums are a product with ones
+    causal_block = torch.ones((step, step), dtype=torch.bool, device=query.device).triu(1)
+    ones = torch.ones((1, step), dtype=torch.float32, device=query.device)
     for lo in range(first_read - first_read % step, L, step):
         hi = min(lo + step, L)
         rows = hi - lo
         w = torch.matmul(q[:, :, :, lo:hi].reshape(B, H, g * rows, D), key[:, :, :hi].transpose(2, 3))
         w = w.mul_(scaling).view(B, H, g, rows, hi)  # in place: eager's product, no second [rows, hi] tensor
-        causal = torch.ones((rows, rows), dtype=torch.bool, device=query.device).triu(1)  # row lo + r sees <= lo + r
-        w[..., lo:hi].masked_fill_(causal, torch.finfo(w.dtype).min)
+        w[..., lo:hi].masked_fill_(causal_block[:rows, :rows], torch.finfo(w.dtype).min)
         p32 = nn.functional.softmax(w, dim=-1, dtype=torch.float32)
         if need_sums:
             probs = nn.functional.dropout(p32.to(query.dtype), p=dropout, training=module.training)
@@ -643,8 +645,7 @@ def _prompt_attention(cache: "KVEvictCache", module: nn.Module, query: torch.Ten
             out[:, lo:hi] = block.view(B, Hq, rows, D).transpose(1, 2)
         p32 = p32.view(B, Hq, rows, hi)
         if need_sums:  # a product with ones: BLAS reads the block once, faster than a reduction across rows
-            ones = torch.ones((1, rows), dtype=torch.float32, device=query.device)
-            stats.column_sums[:, :, :hi] += torch.matmul(ones, p32).squeeze(2)
+            stats.column_sums[:, :, :hi] += torch.matmul(ones[:, :rows], p32).squeeze(2)
         if window and hi > L - window:
             part = p32[:, :, max(L - window, lo) - lo:]
             windows.append(nn.functional.pad(part, (0, L - hi)))  # zeros right of the causal edge
