@@ -563,6 +563,16 @@ TEST_CASE("cuda prefill, slot table only, equals the host's") {
 
 namespace {
 
+/// `poison` as an element of T. fp8 encoding saturates an infinity to the
+/// largest finite value (as __NV_SATFINITE), so e5m2's infinity is its code.
+template <class T>
+T poison_code(float poison) {
+  if constexpr (std::is_same_v<T, fp8_e5m2>) {
+    if (std::isinf(poison)) return fp8_e5m2::from_bits(poison > 0 ? 0x7C : 0xFC);
+  }
+  return from_float<T>(poison);
+}
+
 /// A prefill scored by the prompt keys alone (Input: key norms or KeyDiff)
 /// on CUDA and on the host, from seed on: bhsd and paged_hnd x every dtype,
 /// GQA 1 and 4, rows beyond a selection tile in the second half; the last
@@ -594,7 +604,7 @@ void run_key_scored_prefill(std::uint32_t seed, Config config_for, float poison)
             using L = std::decay_t<decltype(view.layout)>;
             for (int call = 0; call < 2; ++call) {
               fill_cache(rng, view);
-              if (call == 1) view.k_row(0, 1, 0)[2] = from_float<T>(poison);
+              if (call == 1) view.k_row(0, 1, 0)[2] = poison_code<T>(poison);
               kvtest::device_cache dcache(view);
               std::uint64_t host_status = batch_status_clear;
               std::vector<std::int32_t> want_pages(std::size_t(B), -5);
