@@ -141,6 +141,10 @@ struct host_state_mirror {
 inline void check_same_state(const kvevict::batch_state_view& want, const kvevict::batch_state_view& got) {
   for (std::int32_t b = 0; b < want.num_seqs(); ++b) {
     REQUIRE(got.slots.lengths[b] == want.slots.lengths[b]);
+    for (std::int32_t w = 0; w < want.marks.words; ++w) {  // the row marks at the current parity
+      const std::int64_t i = (std::int64_t{want.slots.lengths[b] & 1} * want.num_seqs() + b) * want.marks.words + w;
+      CHECK(got.marks.full[i] == want.marks.full[i]);
+    }
     if (want.streams) CHECK(got.streams[b] == want.streams[b]);
     for (std::int32_t h = 0; h < want.num_heads(); ++h) {
       const std::int64_t bh = want.head_index(b, h);
@@ -148,6 +152,7 @@ inline void check_same_state(const kvevict::batch_state_view& want, const kvevic
       CAPTURE(h);
       REQUIRE(got.slots.counts[bh] == want.slots.counts[bh]);
       CHECK(got.slots.next_slots[bh] == want.slots.next_slots[bh]);
+      CHECK(got.marks.lengths[bh] == want.marks.lengths[bh]);
       CHECK(got.appended[bh] == want.appended[bh]);
       if (want.history.rows) CHECK(got.history.rows[bh] == want.history.rows[bh]);
       if (want.anchors.upto) {  // KeyDiff's running anchor, where it is current

@@ -84,6 +84,11 @@ class raw_device_policy {
     else
       KVTEST_CUDA(gpu::batched_observe_evict(state_, a, in, victims, status_.get(), nullptr));
   }
+  template <class Input>
+  void step(const Input& in, const active_set& a, std::int32_t* victims) {
+    if (forced_) KVTEST_CUDA(gpu::detail::step_split(state_, a, in, victims, status_.get(), nullptr, split_));
+    else KVTEST_CUDA(gpu::batched_step(state_, a, in, victims, status_.get(), nullptr));
+  }
   template <class Q, class T, class Layout>
   void observe_evict(const batch_queries<Q>& in, const kv_view<T, Layout>& cache, const active_set& a,
                      std::int32_t* victims) {
@@ -333,7 +338,7 @@ void fill_state(const batch_state_view& st, std::mt19937& rng, std::int32_t leng
         st.scores_of(b, h)[s] = s < count ? float(rng() % 64) / 8.0f : 0.0f;
       }
       st.slots.counts[st.head_index(b, h)] = count;
-      st.slots.next_slots[st.head_index(b, h)] = count;
+      kvevict::detail::set_next_slot(st, b, h, count, length);
     }
   }
 }
@@ -868,4 +873,120 @@ TEST_CASE("cuda: a tensor-parallel shard (first_kv_head) draws random's victims 
   mirror.read(dev.state());
   kvtest::check_same_state(ref.state(), mirror.view);
   CHECK(dcache.same_bytes_as(cache.view()));
+}
+
+namespace {
+
+/// One step (Step) or observe + evict (a retry) of kind `kind` from
+/// probabilities, per-head increments or logits, host or device buffers.
+template <bool Step, class P>
+void feed(P& p, input_kind kind, const kvtest::batch_dims& dm, const float* probs, const float* logits,
+          const float* increments, const float* lse, float scale, const active_set& active, std::int32_t* victims) {
+  const std::int32_t B = dm.seqs, Hq = dm.q_heads(), H = dm.heads, W = dm.width();
+  auto call = [&](const auto& in) {
+    if constexpr (Step) p.step(in, active, victims);
+    else p.observe_evict(in, active, victims);
+  };
+  if (kind == input_kind::probs) call(batch_probs{make_tensor_view<const float>(probs, B, Hq, W)});
+  else if (kind == input_kind::head_scores) call(batch_head_scores{make_tensor_view<const float>(increments, B, H, W)});
+  else
+    call(batch_logits{make_tensor_view<const float>(logits, B, Hq, W), make_tensor_view<const float>(lse, B, Hq),
+                      scale});
+}
+
+template <class Policy>
+void clear_host_status(batched_policy<Policy>& p) {
+  try {
+    p.check();
+  } catch (const error&) {
+  }
+}
+
+/// Host batched_step against gpu::batched_step over many steps: short rows
+/// filled from empty, or long rows (several blocks each, so the appended
+/// slot may sit in any chunk) filled at the start; bad inputs leave heads
+/// full, whose sequences the next steps refuse whole until a retry of the
+/// waiting heads (on both) catches them up. State (row marks included),
+/// victims and status equal after every step.
+template <class Policy>
+void run_one_launch(std::uint32_t seed, input_kind kind, bool long_rows) {
+  CAPTURE(seed);
+  CAPTURE(std::string(kvtest::name(kind)));
+  CAPTURE(long_rows);
+  std::mt19937 rng(seed);
+  std::int32_t budget = 0;
+  auto config = draw_config<Policy>(rng, budget);
+  kvtest::batch_dims dm;
+  dm.seqs = 1 + std::int32_t(rng() % 4);
+  dm.heads = 1 + std::int32_t(rng() % 3);
+  dm.group = kind == input_kind::head_scores ? 1 : 1 + std::int32_t(rng() % 2);
+  dm.capacity = budget + 1 + std::int32_t(rng() % 3);
+  if (long_rows) {
+    dm.capacity = 2 * decode_tuning::tile + 1 + std::int32_t(rng() % 2500);
+    const std::int32_t cap = dm.capacity;
+    if constexpr (std::is_same_v<Policy, h2o_policy>) config = h2o_config{cap / 2, cap - 1 - cap / 2};
+    else if constexpr (std::is_same_v<Policy, recent_window_policy>) config = recent_window_config{4, cap - 5};
+    else config = random_config{cap - 1, 2, 8, seed};
+  }
+  const std::int32_t B = dm.seqs, H = dm.heads;
+  const policy_shape shape{B, H, dm.q_heads(), dm.capacity};
+  batched_policy<Policy> ref(shape, config);
+  raw_device_policy<Policy> dev(shape, config);
+  if (long_rows) {
+    dev.force_split(1 + std::int32_t(seed % 2));
+    fill_state<Policy>(ref.state(), rng, dm.capacity + 5);
+    KVTEST_CUDA(gpu::copy_batch_state(dev.state(), ref.state(), cudaMemcpyHostToDevice, nullptr));
+  }
+  kvtest::host_state_mirror<Policy> mirror(shape, config);
+  device_buffer<std::int32_t> victims(std::size_t(B) * H);
+  std::int64_t refused = 0;
+  for (std::int32_t step = 0; step < (long_rows ? 6 : 30); ++step) {
+    CAPTURE(step);
+    kvtest::batch_step<float> st = kvtest::draw_step<float>(rng, dm, 0.2);
+    if (rng() % 4 == 0) inject_bad_input(rng, st, dm, kind);
+    const device_step<float> ds(st);
+    std::vector<std::int32_t> want(std::size_t(B) * H, -7);
+    KVTEST_CUDA(cudaMemcpy(victims.get(), want.data(), want.size() * 4, cudaMemcpyHostToDevice));
+    feed<true>(ref, kind, dm, st.probs.data(), st.logits.data(), st.increments.data(), st.lse.data(), st.scale,
+               st.active_set(), want.data());
+    feed<true>(dev, kind, dm, ds.probs.get(), ds.logits.get(), ds.increments.get(), ds.lse.get(), st.scale,
+               ds.active(st), victims.get());
+    CHECK(victims.download() == want);
+    const std::uint64_t word = ref.status_word();
+    CHECK(dev.status_word() == word);
+    refused += batch_status::unpack(word).code == batch_code::no_free_slot;
+    mirror.read(dev.state());
+    kvtest::check_same_state(ref.state(), mirror.view);
+    if (word != batch_status_clear) {  // the heads waiting for their observation catch up, on both
+      clear_host_status(ref);
+      dev.clear_status();
+      kvtest::batch_step<float> good = kvtest::draw_step<float>(rng, dm, 0.0);
+      const device_step<float> dg(good);
+      const active_set retry = active_set::all().as_retry();
+      feed<false>(ref, kind, dm, good.probs.data(), good.logits.data(), good.increments.data(), good.lse.data(),
+                  good.scale, retry, nullptr);
+      feed<false>(dev, kind, dm, dg.probs.get(), dg.logits.get(), dg.increments.get(), dg.lse.get(), good.scale,
+                  retry, nullptr);
+      CHECK(dev.status_word() == ref.status_word());
+      clear_host_status(ref);
+      dev.clear_status();
+      mirror.read(dev.state());
+      kvtest::check_same_state(ref.state(), mirror.view);
+    }
+  }
+  MESSAGE("sequences refused: ", refused);
+}
+
+}  // namespace
+
+TEST_CASE("cuda one-launch step equals the host's batched_step bit for bit: refusals, retries, split rows") {
+  std::uint32_t seed = 5000;
+  const int stride = kvtest::quick_stride(3);  // quick mode: one seed in `stride`, long rows among them
+  for (input_kind kind : {input_kind::probs, input_kind::head_scores, input_kind::logits})
+    for (int i = 0; i < 6; ++i, ++seed) {
+      if (i % stride != 0 && i < 3) continue;
+      run_one_launch<h2o_policy>(seed, kind, i == 5);
+      run_one_launch<recent_window_policy>(seed, kind, i == 4);
+      run_one_launch<random_policy>(seed, kind, i == 3);
+    }
 }

@@ -5,7 +5,8 @@
 // that is the next slot; the next slot is free (or -1 at budget + 1 tokens);
 // and every free slot holds 0 in both score buffers, so no switch of
 // buffers can bring a stale score back. The CUDA evict_to relies on the
-// first to pair holes with rows without scanning the row.
+// first to pair holes with rows without scanning the row. And the row marks
+// the one-launch step reads (state.hpp, row_marks) agree with the table.
 #include <doctest/doctest.h>
 
 #include <cstdint>
@@ -21,7 +22,34 @@ inline bool positive_zero(float x) {
   return bits == 0u;
 }
 
+/// Each row's length mark is its sequence's length, and bit h of word
+/// [length & 1] is set exactly when (b, h) has no free slot; bits past the
+/// last head read 0.
+inline void check_row_marks(const kvevict::batch_state_view& st) {
+  const kvevict::row_marks& m = st.marks;
+  REQUIRE(m.words == (st.num_heads() + 63) / 64);
+  for (std::int32_t b = 0; b < st.num_seqs(); ++b) {
+    CAPTURE(b);
+    const std::int32_t length = st.slots.lengths[b];
+    for (std::int32_t w = 0; w < m.words; ++w) {
+      const std::uint64_t word = m.full[(std::int64_t{length & 1} * st.num_seqs() + b) * m.words + w];
+      for (std::int32_t bit = 0; bit < 64; ++bit) {
+        const std::int32_t h = w * 64 + bit;
+        const bool set = (word >> bit) & 1u;
+        if (h >= st.num_heads()) {
+          CHECK_FALSE(set);
+          continue;
+        }
+        CAPTURE(h);
+        CHECK(m.lengths[st.head_index(b, h)] == length);
+        CHECK(set == (st.slots.next_slots[st.head_index(b, h)] < 0));
+      }
+    }
+  }
+}
+
 inline void check_slot_invariants(const kvevict::batch_state_view& st) {
+  check_row_marks(st);
   for (std::int32_t b = 0; b < st.num_seqs(); ++b)
     for (std::int32_t h = 0; h < st.num_heads(); ++h) {
       CAPTURE(b);

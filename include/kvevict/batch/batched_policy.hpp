@@ -11,6 +11,11 @@
 //     layer.observe_evict(kvevict::batch_logits{...}, active, nullptr, stream);  // launch 2
 //   }
 //
+// or, in one launch, with the engine writing the new K/V rows to
+// next_slots itself before its attention over slots [0, count + 1):
+//
+//     layer.step(kvevict::batch_logits{...}, active, nullptr, stream);
+//
 // This header holds the host specialisation; kvevict/cuda/batched_policy.cuh
 // the CUDA one. Bad arguments throw before anything changes; bad data leaves
 // the (b, h) concerned unchanged and sets the status word, which check()
@@ -71,6 +76,12 @@ class batched_policy<Policy, device::host> {
   void observe_evict(const batch_queries<Q>& in, const kv_view<T, Layout>& cache,
                      const active_set& active = active_set::all(), std::int32_t* victims = nullptr, stream_type = {}) {
     batched_observe_evict(state(), active, in, cache, victims, &status_);
+  }
+  /// Append + observe + evict in one call (batched_step).
+  template <class Input>
+  void step(const Input& in, const active_set& active = active_set::all(), std::int32_t* victims = nullptr,
+            stream_type = {}) {
+    batched_step(state(), active, in, victims, &status_);
   }
   /// Forgets the active sequences; streams[i]: entry i's random stream.
   void reset(const active_set& active, const std::uint64_t* streams = nullptr, stream_type = {}) {

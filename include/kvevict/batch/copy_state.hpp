@@ -93,6 +93,8 @@ inline void copy_state(const batch_state_view& src, const batch_state_view& dst)
   detail::copy_array(dst.slots.lengths, src.slots.lengths, src.num_seqs());
   detail::copy_array(dst.score_buffer, src.score_buffer, heads);
   detail::copy_array(dst.appended, src.appended, heads);
+  detail::copy_array(dst.marks.lengths, src.marks.lengths, heads);
+  detail::copy_array(dst.marks.full, src.marks.full, 2 * std::int64_t{src.num_seqs()} * src.marks.words);
   detail::copy_array(dst.streams, src.streams, src.num_seqs());
   const std::int64_t rows = heads * src.history.max_tokens * src.history.head_dim;
   detail::copy_array(dst.history.keys, src.history.keys, rows);

@@ -79,6 +79,7 @@ evict_to_result evict_to_head(const batch_state_view& st, std::int32_t b, std::i
   st.slots.counts[bh] = count - r.freed;
   r.moves = refill_holes(st.slots.positions_of(b, h), st.scores_of(b, h), st.spare_scores_of(b, h), count - r.freed,
                          st.rule.budget, end, scratch, st.slots.next_slots[bh], on_move);
+  mark_row(st, b, h, st.slots.lengths[b], st.slots.next_slots[bh]);
   return r;
 }
 

@@ -26,6 +26,7 @@
 #include "kvevict/batch/copy_state.hpp"
 #include "kvevict/batch/inputs.hpp"
 #include "kvevict/batch/state.hpp"
+#include "kvevict/batch/step.hpp"
 #include "kvevict/batch/validate.hpp"
 #include "kvevict/config.hpp"
 #include "kvevict/error.hpp"
@@ -78,7 +79,7 @@ KVEVICT_HOST_DEVICE inline void copy_head(const batch_state_view& from, std::int
   }
   if (lane == 0) {
     to.slots.counts[tb] = from.slots.counts[fa];
-    to.slots.next_slots[tb] = from.slots.next_slots[fa];
+    set_next_slot(to, b, h, from.slots.next_slots[fa], from.slots.lengths[a]);
     to.score_buffer[tb] = from.score_buffer[fa];
     to.appended[tb] = from.appended[fa];
     if (from.history.rows) to.history.rows[tb] = from.history.rows[fa];

@@ -239,24 +239,30 @@ std::uint64_t append_sequence(const batch_state_view& st, std::int32_t b, Mapped
   return batch_status_clear;
 }
 
-/// head(b, h, victim) decides each stepped (b, h); a good one is committed,
-/// then committed(b, h, victim) runs (KeyDiff's anchor follows the victim).
+/// Observe + evict of one (b, h): head(b, h, victim) decides it; a good
+/// one is committed, then committed(b, h, victim) runs (KeyDiff's anchor
+/// follows the victim).
+template <class Head, class Committed>
+void observe_evict_row(const batch_state_view& st, std::int32_t b, std::int32_t h, std::int32_t* victims,
+                       std::uint64_t* status, Head& head, Committed& committed) {
+  std::int32_t victim = -1;
+  const std::uint64_t problem = head(b, h, victim);
+  if (problem == batch_status_clear) {
+    commit_observe_evict(st, b, h, victim);
+    committed(b, h, victim);
+  } else {
+    record_status(status, problem);
+  }
+  if (victims) victims[st.head_index(b, h)] = problem == batch_status_clear ? victim : -1;
+}
+
+/// Observe + evict of every stepped (b, h) (observe_evict_row).
 template <class Head, class Committed>
 void observe_evict_all(const batch_state_view& st, const active_set& active, std::int32_t* victims,
                        std::uint64_t* status, Head head, Committed committed) {
   for_each_active(st, active, status, [&](std::int32_t b) {
-    for (std::int32_t h = 0; h < st.num_heads(); ++h) {
-      if (observe_skips(st, active, b, h)) continue;
-      std::int32_t victim = -1;
-      const std::uint64_t problem = head(b, h, victim);
-      if (problem == batch_status_clear) {
-        commit_observe_evict(st, b, h, victim);
-        committed(b, h, victim);
-      } else {
-        record_status(status, problem);
-      }
-      if (victims) victims[st.head_index(b, h)] = problem == batch_status_clear ? victim : -1;
-    }
+    for (std::int32_t h = 0; h < st.num_heads(); ++h)
+      if (!observe_skips(st, active, b, h)) observe_evict_row(st, b, h, victims, status, head, committed);
   });
 }
 
@@ -290,6 +296,7 @@ inline void reset_batch_sequences(const batch_state_view& st, const active_set& 
   for (std::int32_t i = 0; i < entries; ++i) {
     const std::int32_t b = active.sequence(i, st.num_seqs());
     if (b < 0) continue;
+    detail::clear_sequence_marks(st, b, 0, 1);
     for (std::int32_t h = 0; h < st.num_heads(); ++h) {
       detail::clear_head_slots(st, b, h, 0, st.capacity(), 1);
       detail::clear_head_counters(st, b, h);
@@ -360,6 +367,45 @@ void batched_observe_evict(const batch_state_view& st, const active_set& active,
   const score_source<Input> source{in, st.group_size(), st.rule.reduce};
   detail::observe_evict_all(st, active, victims, status, [&](std::int32_t b, std::int32_t h, std::int32_t& victim) {
     return detail::observe_evict_head(st, b, h, source, victim);
+  });
+}
+
+/// The one-launch decode step (docs/semantics.md, "Batched steps"): for
+/// every active sequence, append (its next position to each head's next
+/// slot, where the engine has written the new K/V rows), then observe +
+/// evict of each head from `in`, whose columns cover the appended slots.
+/// A sequence with a head at budget + 1 tokens is left unchanged
+/// (no_free_slot) and steps no head; a head with bad input is left as the
+/// append left it, as with the two calls. The same state, victims and
+/// status word as batched_append followed by batched_observe_evict over
+/// the sequences that appended; CUDA's gpu::batched_step does it in one
+/// kernel. `in`: as batched_observe_evict's (not KeyDiff, whose anchors
+/// need a launch of their own, nor queries). Retry sets are refused, as
+/// append refuses them.
+template <class Input>
+void batched_step(const batch_state_view& st, const active_set& active, const Input& in, std::int32_t* victims,
+                  std::uint64_t* status) {
+  const detail::site w{"batch", "step"};
+  detail::require_state(w, st);
+  detail::require_active(w, active, st.num_seqs());
+  detail::require_not_null(w, "status", status);
+  if (st.history.keys)
+    detail::fail<invalid_argument>(w, "in", "is not queries + LSE, which exact_greedy needs (with the cache)");
+  using detail::require_input;
+  require_input(w, st, in);
+  const score_source<Input> source{in, st.group_size(), st.rule.reduce};
+  auto head = [&](std::int32_t b, std::int32_t h, std::int32_t& victim) {
+    return detail::observe_evict_head(st, b, h, source, victim);
+  };
+  auto committed = [](std::int32_t, std::int32_t, std::int32_t) {};
+  detail::for_each_active(st, active, status, [&](std::int32_t b) {
+    const std::uint64_t refused =
+        detail::append_sequence(st, b, [](std::int32_t) { return true; }, [](std::int32_t, std::int32_t) {});
+    for (std::int32_t h = 0; h < st.num_heads(); ++h) {
+      if (refused == batch_status_clear) detail::observe_evict_row(st, b, h, victims, status, head, committed);
+      else if (victims) victims[st.head_index(b, h)] = -1;
+    }
+    detail::record_status(status, refused);
   });
 }
 

@@ -25,9 +25,11 @@ struct decode_tuning {
   static constexpr std::int32_t tile = threads * items;
   /// Resident blocks per SM the grid is sized for, and the kernel's
   /// __launch_bounds__ minimum for the sources that fold `items` slots at
-  /// once: 3 x 256 threads caps them at 80 registers, which they fit
-  /// without spilling (ptxas, sm_90), 24 warps per SM with 8 loads in
-  /// flight each.
+  /// once: 3 x 256 threads caps them at 80 registers, 24 warps per SM with
+  /// 8 loads in flight each. They spill at that cap (ptxas, sm_90: the
+  /// figures in tests/proxies/budgets.txt); 4 items a thread spill about a
+  /// tenth as much, but halve the loads in flight: a GPU measures which
+  /// wins (docs/gpu.md, "Static proxies").
   static constexpr int blocks_per_sm = 3;
 };
 

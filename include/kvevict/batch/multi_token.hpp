@@ -50,7 +50,7 @@ std::uint64_t append_tokens_sequence(const batch_state_view& st, std::int32_t b,
       on_slot(h, j, s);
     }
     st.slots.counts[bh] = count + tokens;
-    st.slots.next_slots[bh] = next_slot_after_append(count + tokens, st.rule.budget);
+    set_next_slot(st, b, h, next_slot_after_append(count + tokens, st.rule.budget), first + tokens);
     st.appended[bh] = 1;
   }
   st.slots.lengths[b] = first + tokens;

@@ -270,7 +270,7 @@ void host_prefill(const batch_state_view& st, const active_set& active, const pr
       const float* score = scores_of(h);
       commit_prefill_slots(
           st, b, h, plan, picked, [&](std::int32_t p) { return Scores::has_scores ? score[p] : 0.0f; }, 0, 1);
-      commit_prefill_counters(st, b, h, plan.kept);
+      commit_prefill_counters(st, b, h, plan.kept, length);
     }
     st.slots.lengths[b] = length;
     if (reclaimable_pages)

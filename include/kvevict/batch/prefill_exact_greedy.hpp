@@ -81,7 +81,7 @@ void greedy_prefill_head(const batch_state_view& st, std::int32_t b, std::int32_
     current[s] = 0.0f;
     spare[s] = 0.0f;
   }
-  commit_prefill_counters(st, b, h, kept);
+  commit_prefill_counters(st, b, h, kept, length);
 }
 
 /// The prefill of every active sequence, its arguments checked.

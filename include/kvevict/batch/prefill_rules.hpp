@@ -12,6 +12,7 @@
 #include "kvevict/batch/inputs.hpp"
 #include "kvevict/batch/state.hpp"
 #include "kvevict/batch/status.hpp"
+#include "kvevict/batch/step.hpp"
 #include "kvevict/batch/validate.hpp"
 #include "kvevict/config.hpp"
 #include "kvevict/dtype/convert.hpp"
@@ -281,12 +282,13 @@ KVEVICT_HOST_DEVICE void commit_prefill_slots(const batch_state_view& st, std::i
   }
 }
 
-/// The counters of (b, h) after prefill (one thread per head).
+/// The counters of (b, h) after prefill of a `length`-token prompt (one
+/// thread per head).
 KVEVICT_HOST_DEVICE inline void commit_prefill_counters(const batch_state_view& st, std::int32_t b, std::int32_t h,
-                                                        std::int32_t kept) noexcept {
+                                                        std::int32_t kept, std::int32_t length) noexcept {
   const std::int64_t bh = st.head_index(b, h);
   st.slots.counts[bh] = kept;
-  st.slots.next_slots[bh] = kept;  // kept <= budget < capacity
+  set_next_slot(st, b, h, kept, length);  // kept <= budget < capacity
   st.appended[bh] = 0;
   if (st.anchors.upto) st.anchors.upto[bh] = -1;  // a KeyDiff anchor counts the kept keys afresh
 }

@@ -89,11 +89,32 @@ struct device_workspace {
   std::size_t select_bytes = 0;
 };
 
+/// What the one-launch decode step (gpu::batched_step) reads of a sequence's
+/// other rows: a copy of lengths[b] per row, and which heads have no free
+/// slot, double-buffered by the parity of the length. In one launch, row
+/// (b, h) reads its own length and word [L & 1] of b (the step's append
+/// verdict), and writes only its length and its bit of word [(L + 1) & 1],
+/// so no row reads what another row of the launch writes. Every call that
+/// sets next_slots or lengths keeps them (mark_row in step.hpp): for every
+/// (b, h), lengths[b h] = lengths[b] and bit h of word [lengths[b] & 1] is
+/// next_slots[b h] < 0. The other parity's word is stale.
+struct row_marks {
+  std::int32_t* lengths = nullptr;  ///< [B][H]
+  std::uint64_t* full = nullptr;    ///< [2][B][words]
+  std::int32_t words = 0;           ///< 64-bit words per sequence: ceil(H / 64)
+
+  KVEVICT_HOST_DEVICE std::uint64_t* word_of(std::int32_t b, std::int32_t h, std::int32_t length,
+                                             std::int32_t num_seqs) const noexcept {
+    return full + (std::int64_t{length & 1} * num_seqs + b) * words + h / 64;
+  }
+};
+
 struct batch_state_view {
   slot_table_view slots;                 ///< positions [B][H][capacity], counts, next_slots [B][H], lengths [B]
   float* scores = nullptr;               ///< [2][B][H][capacity]: two buffers, see score_buffer
   std::uint8_t* score_buffer = nullptr;  ///< [B][H]: the buffer (0 or 1) holding (b, h)'s scores
   std::uint8_t* appended = nullptr;      ///< [B][H]: 1 after an append, 0 after observe + evict
+  row_marks marks;                       ///< the one-launch step's view of other rows
   std::uint64_t* streams = nullptr;      ///< [B]: random's request streams (null for other policies)
   std::int32_t* victim_scratch = nullptr;  ///< [B][H][capacity] scratch of evict_to (its victims and holes)
   history_view history;                  ///< exact_greedy only (null pointers otherwise)
@@ -215,6 +236,9 @@ inline batch_state_view carve_state(void* memory, const policy_shape& shape, con
   v.scores = c.take<float>(2 * slots);
   v.score_buffer = c.take<std::uint8_t>(heads);
   v.appended = c.take<std::uint8_t>(heads);
+  v.marks.words = (shape.num_kv_heads + 63) / 64;
+  v.marks.lengths = c.take<std::int32_t>(heads);
+  v.marks.full = c.take<std::uint64_t>(2 * std::int64_t{shape.num_seqs} * v.marks.words);
   if (parts.streams) v.streams = c.take<std::uint64_t>(shape.num_seqs);
   if (parts.workspace) v.victim_scratch = c.take<std::int32_t>(slots);
   if (parts.history) {
@@ -267,7 +291,7 @@ batch_state_view carve_state(void* memory, const policy_shape& shape, const deco
 /// base's alignment only, so a copy from aligned base to aligned base keeps
 /// them). Null pointers stay null.
 inline batch_state_view rebase_state(batch_state_view v, std::ptrdiff_t delta) noexcept {
-  static_assert(sizeof(batch_state_view) == 272 && sizeof(history_view) == 56 && sizeof(device_workspace) == 48 &&
+  static_assert(sizeof(batch_state_view) == 296 && sizeof(history_view) == 56 && sizeof(device_workspace) == 48 &&
                     sizeof(key_anchor_view) == 32,
                 "batch_state_view changed: shift its new pointers here too");
   const auto shift = [delta](auto*& p) {
@@ -281,6 +305,8 @@ inline batch_state_view rebase_state(batch_state_view v, std::ptrdiff_t delta) n
   shift(v.scores);
   shift(v.score_buffer);
   shift(v.appended);
+  shift(v.marks.lengths);
+  shift(v.marks.full);
   shift(v.streams);
   shift(v.victim_scratch);
   shift(v.history.keys);

@@ -14,6 +14,63 @@
 namespace kvevict {
 namespace detail {
 
+/// The row marks of (b, h) (state.hpp, row_marks) at sequence length
+/// `length` with next slot `next_slot`. Every writer of next_slots or
+/// lengths calls it for each head it changes, and for every head of a
+/// sequence whose length it changes. On CUDA the rows of a sequence share
+/// a word: the bit changes atomically.
+KVEVICT_HOST_DEVICE inline void mark_row(const batch_state_view& st, std::int32_t b, std::int32_t h,
+                                         std::int32_t length, std::int32_t next_slot) noexcept {
+  const row_marks& m = st.marks;
+  m.lengths[st.head_index(b, h)] = length;
+  std::uint64_t* word = m.word_of(b, h, length, st.num_seqs());
+  const std::uint64_t bit = std::uint64_t{1} << (h % 64);
+#ifdef __CUDA_ARCH__
+  if (next_slot < 0) atomicOr(reinterpret_cast<unsigned long long*>(word), static_cast<unsigned long long>(bit));
+  else atomicAnd(reinterpret_cast<unsigned long long*>(word), static_cast<unsigned long long>(~bit));
+#else
+  *word = next_slot < 0 ? (*word | bit) : (*word & ~bit);
+#endif
+}
+
+/// Zeroes both parity words of sequence b (a reset, before its heads'
+/// marks): bits past the last head then read 0 on every device. Threads
+/// split the words as [first, 2 * words) by `step`.
+KVEVICT_HOST_DEVICE inline void clear_sequence_marks(const batch_state_view& st, std::int32_t b, std::int32_t first,
+                                                     std::int32_t step) noexcept {
+  const row_marks& m = st.marks;
+  for (std::int32_t i = first; i < 2 * m.words; i += step)
+    m.full[(std::int64_t{i / m.words} * st.num_seqs() + b) * m.words + i % m.words] = 0;
+}
+
+/// The lowest set bit of `word` among its first `bits` (64 for all), or -1.
+KVEVICT_HOST_DEVICE inline std::int32_t lowest_bit(std::uint64_t word, std::int32_t bits) noexcept {
+  if (bits < 64) word &= (std::uint64_t{1} << bits) - 1;
+  if (word == 0) return -1;
+  std::int32_t bit = 0;
+  while (!((word >> bit) & 1u)) ++bit;
+  return bit;
+}
+
+/// The first head of sequence b with no free slot at length `length`,
+/// from its marks, or -1: append's verdict (append_problem's head) as the
+/// one-launch step reads it.
+KVEVICT_HOST_DEVICE inline std::int32_t first_full_head(const batch_state_view& st, std::int32_t b,
+                                                        std::int32_t length) noexcept {
+  for (std::int32_t h = 0; h < st.num_heads(); h += 64) {
+    const std::int32_t bit = lowest_bit(*st.marks.word_of(b, h, length, st.num_seqs()), st.num_heads() - h);
+    if (bit >= 0) return h + bit;
+  }
+  return -1;
+}
+
+/// next_slots(b, h) = slot, at sequence length `length`, with its marks.
+KVEVICT_HOST_DEVICE inline void set_next_slot(const batch_state_view& st, std::int32_t b, std::int32_t h,
+                                              std::int32_t slot, std::int32_t length) noexcept {
+  st.slots.next_slots[st.head_index(b, h)] = slot;
+  mark_row(st, b, h, length, slot);
+}
+
 /// The check of append for head h of sequence b: a free slot, and
 /// mapped(slot) for it (a paged cache's page id is in the pool). The status
 /// word of the problem, or batch_status_clear; over the heads the lowest
@@ -52,7 +109,7 @@ KVEVICT_HOST_DEVICE inline void commit_append(const batch_state_view& st, std::i
   st.slots.positions_of(b, h)[slot] = position;
   st.buffer_of(b, h, buffer)[slot] = 0.0f;
   st.slots.counts[bh] = count + 1;
-  st.slots.next_slots[bh] = next_slot_after_append(count + 1, st.rule.budget);
+  set_next_slot(st, b, h, next_slot_after_append(count + 1, st.rule.budget), position + 1);
   st.appended[bh] = 1;
 }
 
@@ -83,32 +140,33 @@ KVEVICT_HOST_DEVICE inline void commit_observed_scores(const batch_state_view& s
 /// next slot; no K/V bytes move. `count` is the head's tokens before the
 /// eviction. A KeyDiff anchor still counts
 /// the victim: it becomes stale (the KeyDiff step follows up, after_commit).
+/// `length` is the sequence's.
 KVEVICT_HOST_DEVICE inline void free_victim(const batch_state_view& st, std::int32_t b, std::int32_t h,
-                                            std::int32_t victim, std::int32_t count) noexcept {
+                                            std::int32_t victim, std::int32_t count, std::int32_t length) noexcept {
   const std::int64_t bh = st.head_index(b, h);
   if (st.anchors.upto) st.anchors.upto[bh] = -1;
   st.slots.positions_of(b, h)[victim] = -1;
   st.buffer_of(b, h, 0)[victim] = 0.0f;
   st.buffer_of(b, h, 1)[victim] = 0.0f;
   st.slots.counts[bh] = count - 1;
-  st.slots.next_slots[bh] = victim;
+  set_next_slot(st, b, h, victim, length);
 }
 
 /// Observe + evict, the commit: the updated scores become current and
-/// `victim` (or none, -1) is freed. The head's score buffer and count
-/// already read (a kernel has them in registers: no dependent load before
-/// the stores).
+/// `victim` (or none, -1) is freed. The head's score buffer, count and
+/// sequence length already read (a kernel has them in registers: no
+/// dependent load before the stores).
 KVEVICT_HOST_DEVICE inline void commit_observe_evict(const batch_state_view& st, std::int32_t b, std::int32_t h,
-                                                     std::int32_t victim, std::int32_t buffer,
-                                                     std::int32_t count) noexcept {
+                                                     std::int32_t victim, std::int32_t buffer, std::int32_t count,
+                                                     std::int32_t length) noexcept {
   commit_observed_scores(st, st.head_index(b, h), buffer);
-  if (victim >= 0) free_victim(st, b, h, victim, count);
+  if (victim >= 0) free_victim(st, b, h, victim, count, length);
 }
 
 KVEVICT_HOST_DEVICE inline void commit_observe_evict(const batch_state_view& st, std::int32_t b, std::int32_t h,
                                                      std::int32_t victim) noexcept {
   const std::int64_t bh = st.head_index(b, h);
-  commit_observe_evict(st, b, h, victim, st.score_buffer[bh], st.slots.counts[bh]);
+  commit_observe_evict(st, b, h, victim, st.score_buffer[bh], st.slots.counts[bh], st.slots.lengths[b]);
 }
 
 /// Forgets (b, h): every slot free with score 0 in both buffers, no history.
@@ -126,11 +184,12 @@ KVEVICT_HOST_DEVICE inline void clear_head_slots(const batch_state_view& st, std
   }
 }
 
+/// The counters of (b, h) as a reset leaves them; the caller sets lengths[b] to 0.
 KVEVICT_HOST_DEVICE inline void clear_head_counters(const batch_state_view& st, std::int32_t b,
                                                     std::int32_t h) noexcept {
   const std::int64_t bh = st.head_index(b, h);
   st.slots.counts[bh] = 0;
-  st.slots.next_slots[bh] = 0;
+  set_next_slot(st, b, h, 0, 0);  // the sequence's length becomes 0
   st.score_buffer[bh] = 0;
   st.appended[bh] = 0;
   if (st.history.rows) st.history.rows[bh] = 0;

@@ -18,6 +18,7 @@
 #include "kvevict/batch/state.hpp"
 #include "kvevict/batch/status.hpp"
 #include "kvevict/cuda/append.cuh"
+#include "kvevict/cuda/decode_step.cuh"
 #include "kvevict/cuda/error.cuh"
 #include "kvevict/cuda/fork.cuh"
 #include "kvevict/cuda/observe_evict.cuh"
@@ -85,6 +86,12 @@ class batched_policy<Policy, device::cuda> {
                      cudaStream_t stream = nullptr) {
     gpu::throw_on_error(gpu::batched_observe_evict(state_, active, in, cache, victims, status_, stream),
                          "observe_evict");
+  }
+  /// Append + observe + evict in one launch (gpu::batched_step).
+  template <class Input>
+  void step(const Input& in, const active_set& active = active_set::all(), std::int32_t* victims = nullptr,
+            cudaStream_t stream = nullptr) {
+    gpu::throw_on_error(gpu::batched_step(state_, active, in, victims, status_, stream), "step");
   }
   /// Forgets the active sequences; streams (device memory): entry i's random stream.
   void reset(const active_set& active, const std::uint64_t* streams = nullptr, cudaStream_t stream = nullptr) {

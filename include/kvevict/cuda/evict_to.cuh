@@ -298,7 +298,7 @@ __global__ void __launch_bounds__(BlockThreads)
   }
   if (at.chunk == 0 && threadIdx.x == 0) {
     st.slots.counts[at.bh] = plan.kept;
-    st.slots.next_slots[at.bh] = refill.next_slot();
+    kvevict::detail::set_next_slot(st, at.b, at.h, refill.next_slot(), st.slots.lengths[at.b]);
     if (results) results[at.bh] = kMoveRows ? victims : refill.moves;
   }
 }

@@ -5,6 +5,7 @@
 
 #include "kvevict/cuda/append.cuh"
 #include "kvevict/cuda/batched_policy.cuh"
+#include "kvevict/cuda/decode_step.cuh"
 #include "kvevict/cuda/device_helpers.cuh"
 #include "kvevict/cuda/error.cuh"
 #include "kvevict/cuda/evict_to.cuh"

@@ -56,7 +56,7 @@ __global__ void __launch_bounds__(BlockThreads)
     const std::int64_t bh = st.head_index(b, h);
     const std::int32_t count = st.slots.counts[bh] + tokens;
     st.slots.counts[bh] = count;
-    st.slots.next_slots[bh] = next_slot_after_append(count, st.rule.budget);
+    kvevict::detail::set_next_slot(st, b, h, next_slot_after_append(count, st.rule.budget), first + tokens);
     st.appended[bh] = 1;
   }
   if (t == 0) st.slots.lengths[b] = first + tokens;

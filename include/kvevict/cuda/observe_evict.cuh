@@ -1,6 +1,7 @@
 #pragma once
 // Launch 2 of a decode step on CUDA: observe + evict fused, one pass over
-// every active (sequence, KV head)'s occupied slots [0, count). Each thread
+// every active (sequence, KV head)'s occupied slots [0, count); with its
+// Append mode, the whole step in one launch (decode_step.cuh). Each thread
 // takes decode_tuning::items slots of a tile and issues all their loads
 // (position, score, the group's inputs one query head at a time) before it
 // looks at any value; then each slot's new score goes to the spare buffer
@@ -60,23 +61,69 @@ __device__ inline row_partial load_partial(const row_partial* p) {
   return r;
 }
 
-/// Thread 0, once a row is reduced: refuse it (status word, victim -1,
-/// nothing changes) or commit its victim, from the values the block read at
-/// its start (no load before the stores).
+/// What a block knows of its row before it walks the slots. In the
+/// one-launch step (`slot` >= 0) the row as its append leaves it: the new
+/// token's slot holds position length - 1 with score 0, which only the
+/// commit writes.
+struct row_start {
+  std::int32_t count = 0;   ///< occupied slots [0, count)
+  std::int32_t length = 0;  ///< the sequence's length
+  std::int32_t buffer = 0;  ///< the score buffer holding the current scores
+  std::int32_t slot = -1;   ///< the appended slot, -1 in observe + evict alone
+  bool appended = false;
+};
+
+/// Thread 0, once a row is reduced: the append (in the one-launch step),
+/// then refuse the observation (status word, victim -1, nothing else
+/// changes) or commit its victim, from the values the block read at its
+/// start (no load before the stores).
 template <class Source>
 __device__ void finish_row(const batch_state_view& st, const Source& source, std::int32_t b, std::int32_t h,
-                           std::int32_t count, std::int32_t buffer, const row_partial& total, std::int32_t* victims,
+                           const row_start& row, const row_partial& total, std::int32_t* victims,
                            std::uint64_t* status) {
   const std::int64_t bh = st.head_index(b, h);
+  if (row.slot >= 0) {
+    kvevict::detail::commit_append(st, b, h, row.length - 1, row.slot, row.count - 1, row.buffer);
+    if (h == 0) st.slots.lengths[b] = row.length;  // no row of the launch reads it: they read their marks
+  }
   const std::uint64_t word = total.status_word(b, h);
   if (word != batch_status_clear) return give_up(bh, word, victims, status);
-  const std::int32_t victim = count > st.rule.budget ? total.slot : -1;
-  kvevict::detail::commit_observe_evict(st, b, h, victim, buffer, count);
+  const std::int32_t victim = row.count > st.rule.budget ? total.slot : -1;
+  kvevict::detail::commit_observe_evict(st, b, h, victim, row.buffer, row.count, row.length);
   kvevict::detail::after_commit(source, st, b, h, victim);
   if (victims) victims[bh] = victim;
 }
 
-template <class Source>
+/// The row of a one-launch step: the row's own length mark and the parity
+/// words of its sequence (loaded side by side), then append's verdict. A
+/// sequence with a full head steps nothing: its block of head 0, chunk 0
+/// reports it, and every row's chunk 0 sets its victim to -1.
+__device__ inline bool start_step_row(const batch_state_view& st, std::int32_t b, std::int32_t h, std::int32_t chunk,
+                                      row_start& row, std::int32_t* victims, std::uint64_t* status) {
+  const std::int64_t bh = st.head_index(b, h);
+  const std::int32_t seen = st.marks.lengths[bh];  // no other row of the launch writes it
+  const std::int32_t next = st.slots.next_slots[bh], count = st.slots.counts[bh];
+  row.buffer = st.score_buffer[bh];
+  const std::int64_t words = st.marks.words;
+  const std::uint64_t even = st.marks.full[b * words], odd = st.marks.full[(st.num_seqs() + b) * words];
+  std::int32_t full = words == 1 ? kvevict::detail::lowest_bit(seen & 1 ? odd : even, st.num_heads())
+                                 : kvevict::detail::first_full_head(st, b, seen);
+  if (full < 0 && next < 0) full = h;  // marks that disagree with the table (written by hand): refuse, never write
+  if (full >= 0) {
+    if (chunk == 0 && threadIdx.x == 0) {
+      if (h == 0) report(status, pack_status(b, full, 0, batch_code::no_free_slot));
+      if (victims) victims[bh] = -1;
+    }
+    return false;
+  }
+  row.count = count + 1;
+  row.length = seen + 1;
+  row.slot = next;
+  row.appended = true;
+  return true;
+}
+
+template <class Source, bool Append>
 __global__ void __launch_bounds__(decode_tuning::threads, Source::min_blocks)
     observe_evict_kernel(batch_state_view st, active_set active, Source source, row_split split,
                          std::int32_t* victims, std::uint64_t* status) {
@@ -95,9 +142,16 @@ __global__ void __launch_bounds__(decode_tuning::threads, Source::min_blocks)
   const std::int32_t t = static_cast<std::int32_t>(threadIdx.x);
   const std::int64_t bh = st.head_index(b, h);
   // Everything the row needs, loaded side by side before any branch on it.
-  const std::int32_t count = st.slots.counts[bh], length = st.slots.lengths[b];
-  const std::int32_t buffer = st.score_buffer[bh];
-  const bool appended = st.appended[bh] != 0;
+  row_start start;
+  if constexpr (Append) {
+    if (!start_step_row(st, b, h, chunk, start, victims, status)) return;
+  } else {
+    start.count = st.slots.counts[bh];
+    start.length = st.slots.lengths[b];
+    start.buffer = st.score_buffer[bh];
+    start.appended = st.appended[bh] != 0;
+  }
+  const std::int32_t count = start.count, length = start.length, buffer = start.buffer;
   const victim_order order = st.rule.order(st.stream_of(b), h, length);
   // Chunks past the occupied slots walk no slot and do not arrive.
   const std::int32_t chunks = count > split.chunk_slots ? (count + split.chunk_slots - 1) / split.chunk_slots : 1;
@@ -112,7 +166,7 @@ __global__ void __launch_bounds__(decode_tuning::threads, Source::min_blocks)
   float* __restrict__ updated = st.buffer_of(b, h, 1 - buffer);
 
   row_partial part;
-  if (chunk == 0) part.head = kvevict::detail::head_check_share(source, b, h, t, kThreads, appended, count);
+  if (chunk == 0) part.head = kvevict::detail::head_check_share(source, b, h, t, kThreads, start.appended, count);
   for (std::int32_t base = first; base < end; base += kTile) {
     std::int32_t s[kItems], pos[kItems];
     float cur[kItems];
@@ -126,6 +180,10 @@ __global__ void __launch_bounds__(decode_tuning::threads, Source::min_blocks)
     for (int u = 0; u < kItems; ++u) {  // through L2, not the read-only path: the commit writes these
       pos[u] = __ldcg(positions + s[u]);
       cur[u] = __ldcg(current + s[u]);
+      if (Append && s[u] == start.slot) {  // the appended token, as the commit will write it
+        pos[u] = length - 1;
+        cur[u] = 0.0f;
+      }
     }
     source.template fold_items<kItems>(b, h, s, inc);
     KVEVICT_UNROLL
@@ -136,7 +194,7 @@ __global__ void __launch_bounds__(decode_tuning::threads, Source::min_blocks)
   part = reduce(temp).Reduce(part, merge_partials{});
   if (!live) return;
   if (chunks == 1) {
-    if (t == 0) finish_row(st, source, b, h, count, buffer, part, victims, status);
+    if (t == 0) finish_row(st, source, b, h, start, part, victims, status);
     return;
   }
 
@@ -157,7 +215,7 @@ __global__ void __launch_bounds__(decode_tuning::threads, Source::min_blocks)
   total = reduce(temp).Reduce(total, merge_partials{});
   if (t == 0) {
     st.work.arrivals[bh] = 0;
-    finish_row(st, source, b, h, count, buffer, total, victims, status);
+    finish_row(st, source, b, h, start, total, victims, status);
   }
 }
 
@@ -186,16 +244,18 @@ inline void require_split(const kvevict::detail::site& w, const batch_state_view
     kvevict::detail::fail<invalid_argument>(w, "active", "gives more blocks than a grid holds");
 }
 
-template <class Source>
+/// Append = true: the one-launch step (decode_step.cuh).
+template <class Source, bool Append = false>
 cudaError_t launch_observe_evict(const batch_state_view& st, const active_set& active, const Source& source,
                                  std::int32_t* victims, std::uint64_t* status, cudaStream_t stream,
                                  const row_split& split) {
-  const kvevict::detail::site w{"cuda", "observe_evict"};
+  const kvevict::detail::site w{"cuda", Append ? "step" : "observe_evict"};
   require_split(w, st, active, split);
   const std::int64_t rows = std::int64_t{active.entries(st.num_seqs())} * st.num_heads();
   if (rows == 0) return cudaSuccess;
-  observe_evict_kernel<Source><<<static_cast<unsigned>(rows * split.chunks), decode_tuning::threads, 0, stream>>>(
-      st, active, source, split, victims, status);
+  observe_evict_kernel<Source, Append>
+      <<<static_cast<unsigned>(rows * split.chunks), decode_tuning::threads, 0, stream>>>(st, active, source, split,
+                                                                                          victims, status);
   return cudaGetLastError();
 }
 

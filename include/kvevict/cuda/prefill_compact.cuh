@@ -107,7 +107,7 @@ __global__ void __launch_bounds__(Threads)
   kvevict::detail::commit_prefill_slots(
       st, at.b, at.h, plan, chosen, [&](std::int32_t p) { return Scores ? score[p] : 0.0f; }, t, Threads);
   if (t == 0) {
-    kvevict::detail::commit_prefill_counters(st, at.b, at.h, plan.kept);
+    kvevict::detail::commit_prefill_counters(st, at.b, at.h, plan.kept, length);
     if (at.h == 0) {
       st.slots.lengths[at.b] = length;
       if (reclaimable)

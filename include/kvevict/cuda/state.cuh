@@ -30,6 +30,8 @@ __global__ void __launch_bounds__(BlockThreads)
   }
   const std::int32_t t = static_cast<std::int32_t>(threadIdx.x), n = BlockThreads;
   for (std::int32_t h = 0; h < st.num_heads(); ++h) kvevict::detail::clear_head_slots(st, b, h, t, st.capacity(), n);
+  kvevict::detail::clear_sequence_marks(st, b, t, n);
+  __syncthreads();  // the words are zero before the heads' bits change
   for (std::int32_t h = t; h < st.num_heads(); h += n) {
     kvevict::detail::clear_head_counters(st, b, h);
     // The kernels' own per-head words start over too, whatever an aborted
@@ -115,6 +117,8 @@ inline cudaError_t copy_batch_state(const batch_state_view& dst, const batch_sta
   copy(dst.scores, src.scores, 2 * slots * 4);
   copy(dst.score_buffer, src.score_buffer, heads);
   copy(dst.appended, src.appended, heads);
+  copy(dst.marks.lengths, src.marks.lengths, heads * 4);
+  copy(dst.marks.full, src.marks.full, 2 * std::int64_t{src.num_seqs()} * src.marks.words * 8);
   if (src.streams) copy(dst.streams, src.streams, std::int64_t{src.num_seqs()} * 8);
   if (src.history.keys) {
     const std::int64_t rows = heads * src.history.max_tokens;

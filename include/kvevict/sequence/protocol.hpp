@@ -177,7 +177,7 @@ class sequence_protocol {
       victims_[std::size_t(h)] = s;
     }
     for (std::int32_t h = 0; h < heads; ++h) {
-      free_victim(st, b, h, victims_[std::size_t(h)], slots().count(b, h));
+      free_victim(st, b, h, victims_[std::size_t(h)], slots().count(b, h), st.slots.lengths[b]);
       // KeyDiff's observe took its victims out of the anchors already.
       if (anchor_follows_[std::size_t(b)]) st.anchors.upto[st.head_index(b, h)] = st.slots.lengths[b];
       if (victim_slots) victim_slots[h] = victims_[std::size_t(h)];
