@@ -103,6 +103,12 @@ CALLS: Tuple[Call, ...] = (
          out="victims",
          doc="Observe + evict from probabilities, per-KV-head increments or logits + LSE (input: an "
              "_ext.DecodeInput); returns the freed slot per (sequence, head), int32 [B, Hkv], -1 for none."),
+    Call("step", _args("SymInt input, Tensor x, Tensor? lse, float scale, SymInt base, " + _ACTIVE),
+         "step", ("desc", "state", "input", "x", "lse", "scale", "base", "victims", "active", "stream"),
+         out="victims",
+         doc="The one-launch decode step: append + observe + evict from probabilities, per-KV-head increments or "
+             "logits + LSE over slots [0, count + 1), the new K/V rows already in the next slots; returns the "
+             "freed slots, int32 [B, Hkv]."),
     Call("observe_evict_queries",
          _args("Tensor queries, Tensor lse, float scale, SymInt base, Tensor k_cache, Tensor v_cache, "
                "Tensor? page_table, Tensor? scales, SymInt layout, " + _ACTIVE),

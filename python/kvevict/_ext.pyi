@@ -155,6 +155,12 @@ def observe_evict(
     desc: Descriptor, state: Array, input: DecodeInput, x: Array, lse: Optional[Array], scale: float, base: LseBase,
     victims: Optional[Array], active: Optional[Array] = None, stream: int = 0,
 ) -> None: ...
+def step(
+    desc: Descriptor, state: Array, input: DecodeInput, x: Array, lse: Optional[Array], scale: float, base: LseBase,
+    victims: Optional[Array], active: Optional[Array] = None, stream: int = 0,
+) -> None:
+    """Append + observe + evict in one call (one kernel on CUDA); the new K/V rows already in the next slots."""
+
 def observe_evict_queries(
     desc: Descriptor, state: Array, queries: Array, lse: Array, scale: float, base: LseBase, layout: CacheLayout,
     k_cache: Array, v_cache: Array, page_table: Optional[Array], scales: Optional[Array], victims: Optional[Array],

@@ -186,8 +186,11 @@ class KVEvictLayer(CacheLayerMixin):
         if self.layer_idx == 0 and self.policy._cuda:
             self.cache.check()  # the last step's refusals: a CUDA call does not wait to raise them
         c = self.cache
-        self.policy.append(cache=self._view, k_new=self._store(key_states[:, :, 0], c.k_scale),
-                           v_new=self._store(value_states[:, :, 0], c.v_scale))
+        k_new, v_new = self._store(key_states[:, :, 0], c.k_scale), self._store(value_states[:, :, 0], c.v_scale)
+        if c._one_launch:
+            self._write_next_rows(k_new, v_new)  # the step (_observe) appends, observes and evicts in one call
+        else:
+            self.policy.append(cache=self._view, k_new=k_new, v_new=v_new)
         if self.cache.record:
             self._k_new = key_states[:, :, 0].cpu()
         self.seen += 1
@@ -195,6 +198,21 @@ class KVEvictLayer(CacheLayerMixin):
         keys, values = self._load(self.keys[:, :, :n], c.k_scale), self._load(self.values[:, :, :n], c.v_scale)
         keys._kvevict_layer = self  # how the attention function finds the policy
         return keys, values
+
+    def _write_next_rows(self, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+        """The engine's half of the one-launch step: each head's new K/V row
+        goes to its next slot (the policy's next_slots, vLLM's slot mapping),
+        before the attention reads it. A head with no free slot (-1) writes
+        nothing: its sequence's step is refused and the slots stay as they were."""
+        B, H = k_new.shape[:2]
+        next_slots = self.policy.next_slots.long()
+        free = (next_slots >= 0).unsqueeze(-1)
+        b = torch.arange(B, device=k_new.device).view(B, 1)
+        h = torch.arange(H, device=k_new.device).view(1, H)
+        slot = next_slots.clamp(min=0)
+        for cached, new in ((self.keys, k_new), (self.values, v_new)):
+            bits = _bits(cached)
+            bits[b, h, slot] = torch.where(free, _bits(new), bits[b, h, slot])
 
     def get_seq_length(self) -> int:
         return self.seen
@@ -379,8 +397,9 @@ class KVEvictLayer(CacheLayerMixin):
         else:
             # The real attention width: the library takes an input as narrow
             # as each head's count (docs/semantics.md, "Input width"), which
-            # is what the cache attended over while it fills.
-            self.policy.observe_evict(probs=probs)
+            # is what the cache attended over while it fills. One call (one
+            # kernel on CUDA): the append, then the observation and eviction.
+            self.policy.step(probs=probs)
         if self.cache.record:
             self.records.append({"kind": "decode", "probs": probs.cpu(), "k_new": self._k_new})
 
@@ -474,6 +493,9 @@ class KVEvictCache(Cache):
         if snap is not None and prompt_compression != "snapkv":
             raise _ext.InvalidArgument("kvevict.hf: argument 'snap' applies to prompt_compression='snapkv' only")
         self.scores = scores
+        # Attention scores take the one-launch step; the key scores and
+        # exact_greedy read the cache in their own calls, after an append.
+        self._one_launch = scores == "attention" and not self._greedy
         self.snap = (snap or SnapKV.paper()) if prompt_compression == "snapkv" else None
         if self._greedy and prompt_compression == "prefill":
             raise _ext.InvalidArgument(

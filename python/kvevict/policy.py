@@ -53,6 +53,31 @@ _PROBS, _HEAD_SCORES, _LOGITS = _DecodeInput.probs, _DecodeInput.head_scores, _D
 _SNAP_INPUTS = (_PrefillInput.window_probs, _PrefillInput.window_logits, _PrefillInput.window_queries)
 
 
+def _score_input(call: str, probs: Any, head_scores: Any, logits: Any, queries: Any, lse: Any, cache: Any):
+    """The one decode input of a call as (an _ext.DecodeInput, the array); queries: (None, queries)."""
+    named = (("probs", probs), ("head_scores", head_scores), ("logits", logits))
+    if call == "observe_evict":
+        named += (("queries", queries),)
+    given = [n for n, x in named if x is not None]
+    if len(given) != 1:
+        raise _ext.InvalidArgument(
+            f"kvevict.{call}: pass exactly one of " + ", ".join(f"'{n}'" for n, _ in named)
+            + f" (got {', '.join(given) or 'none'})"
+        )
+    if queries is not None:
+        if cache is None or lse is None:
+            raise _ext.InvalidArgument(f"kvevict.{call}: argument 'queries' needs 'lse' and 'cache'")
+        return None, queries
+    if logits is not None and lse is None:
+        raise _ext.InvalidArgument(f"kvevict.{call}: argument 'lse' is required with 'logits'")
+    if logits is None and lse is not None:
+        goes = "'logits' or 'queries'" if call == "observe_evict" else "'logits'"
+        raise _ext.InvalidArgument(f"kvevict.{call}: argument 'lse' goes with {goes}")
+    if probs is not None:
+        return _PROBS, probs
+    return (_HEAD_SCORES, head_scores) if head_scores is not None else (_LOGITS, logits)
+
+
 class BatchedPolicy:
     """One layer's batched policy over ``num_seqs`` sequences.
 
@@ -302,31 +327,42 @@ class BatchedPolicy:
         Key-norm scoring, from the keys alone: :meth:`observe_evict_key_norms`;
         KeyDiff: :meth:`observe_evict_key_diff`.
         """
-        given = [n for n, x in (("probs", probs), ("head_scores", head_scores), ("logits", logits), ("queries", queries)) if x is not None]
-        if len(given) != 1:
-            raise _ext.InvalidArgument(
-                "kvevict.observe_evict: pass exactly one of 'probs', 'head_scores', 'logits', 'queries' "
-                f"(got {', '.join(given) or 'none'})"
-            )
+        kind, x = _score_input("observe_evict", probs, head_scores, logits, queries, lse, cache)
         active = self._active(active)
         base_code = _base_code(base)
         if queries is not None:
-            if cache is None or lse is None:
-                raise _ext.InvalidArgument("kvevict.observe_evict: argument 'queries' needs 'lse' and 'cache'")
             return _call.observe_evict_queries(
                 self, queries, lse, float(scale), base_code, *cache._moved, active,
                 out=out, stream=stream,
             )  # fmt: skip
-        if logits is not None and lse is None:
-            raise _ext.InvalidArgument("kvevict.observe_evict: argument 'lse' is required with 'logits'")
-        if logits is None and lse is not None:
-            raise _ext.InvalidArgument("kvevict.observe_evict: argument 'lse' goes with 'logits' or 'queries'")
-        kind, x = (
-            (_PROBS, probs) if probs is not None
-            else (_HEAD_SCORES, head_scores) if head_scores is not None
-            else (_LOGITS, logits)
-        )  # fmt: skip
         return _call.observe_evict(self, kind, x, lse, float(scale), base_code, active, out=out, stream=stream)
+
+    def step(
+        self,
+        probs: Any = None,
+        *,
+        head_scores: Any = None,
+        logits: Any = None,
+        lse: Any = None,
+        scale: float = 1.0,
+        base: LseBase = "natural",
+        active: Any = None,
+        out: Any = None,
+        stream: Any = None,
+    ) -> Any:
+        """The decode step in one call (one kernel on CUDA): :meth:`append`
+        and :meth:`observe_evict` of every active sequence. Before it, the
+        engine reads :attr:`next_slots`, writes the new token's K/V rows
+        there and runs its attention over slots ``[0, count + 1)``; the input
+        (``probs``, ``head_scores`` or ``logits`` with ``lse``, as for
+        :meth:`observe_evict`) covers those slots. A sequence with a head at
+        budget + 1 tokens steps no head (:class:`StateError`, as append's);
+        bad input leaves its head appended but not observed. Returns the
+        freed slots, int32 [num_seqs, num_kv_heads], -1 for none. Queries and
+        the key scores keep the two calls."""
+        kind, x = _score_input("step", probs, head_scores, logits, None, lse, None)
+        return _call.step(self, kind, x, lse, float(scale), _base_code(base), self._active(active), out=out,
+                          stream=stream)
 
     def observe_evict_key_norms(
         self,

@@ -34,6 +34,13 @@ void observe_evict(const batch_state_view& st, const kvevict::active_set& active
                    const kvevict::batch_head_scores& in, std::int32_t* victims, std::uint64_t* status, void* stream);
 void observe_evict(const batch_state_view& st, const kvevict::active_set& active, const kvevict::batch_logits& in,
                    std::int32_t* victims, std::uint64_t* status, void* stream);
+/// Append + observe + evict in one launch (gpu::batched_step).
+void step(const batch_state_view& st, const kvevict::active_set& active, const kvevict::batch_probs& in,
+          std::int32_t* victims, std::uint64_t* status, void* stream);
+void step(const batch_state_view& st, const kvevict::active_set& active, const kvevict::batch_head_scores& in,
+          std::int32_t* victims, std::uint64_t* status, void* stream);
+void step(const batch_state_view& st, const kvevict::active_set& active, const kvevict::batch_logits& in,
+          std::int32_t* victims, std::uint64_t* status, void* stream);
 /// Queries + LSE (h2o, recent_window, random), or exact_greedy's step.
 void observe_evict_queries(const batch_state_view& st, const kvevict::active_set& active, const any_array& q,
                            const kvevict::tensor_view<const float, 2>& lse, float scale, kvevict::lse_base base,

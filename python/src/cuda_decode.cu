@@ -40,6 +40,21 @@ void append_kv(const batch_state_view& st, const kvevict::active_set& active, co
   });
 }
 
+void step(const batch_state_view& st, const kvevict::active_set& active, const kvevict::batch_probs& in,
+          std::int32_t* victims, std::uint64_t* status, void* stream) {
+  throw_on_error(kvevict::gpu::batched_step(st, active, in, victims, status, as_stream(stream)), "step");
+}
+
+void step(const batch_state_view& st, const kvevict::active_set& active, const kvevict::batch_head_scores& in,
+          std::int32_t* victims, std::uint64_t* status, void* stream) {
+  throw_on_error(kvevict::gpu::batched_step(st, active, in, victims, status, as_stream(stream)), "step");
+}
+
+void step(const batch_state_view& st, const kvevict::active_set& active, const kvevict::batch_logits& in,
+          std::int32_t* victims, std::uint64_t* status, void* stream) {
+  throw_on_error(kvevict::gpu::batched_step(st, active, in, victims, status, as_stream(stream)), "step");
+}
+
 void observe_evict(const batch_state_view& st, const kvevict::active_set& active, const kvevict::batch_probs& in,
                    std::int32_t* victims, std::uint64_t* status, void* stream) {
   throw_on_error(kvevict::gpu::batched_observe_evict(st, active, in, victims, status, as_stream(stream)),

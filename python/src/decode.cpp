@@ -36,16 +36,23 @@ void append_kv(const Descriptor& desc, nb::handle memory, cache_layout layout, n
 
 /// input: probs [B][Hq][W], head_scores (per-KV-head increments) [B][Hkv][W],
 /// logits [B][Hq][W] with lse [B][Hq]. Queries, key norms and KeyDiff read
-/// the cache and have their own calls.
-void observe_evict(const Descriptor& desc, nb::handle memory, decode_input input, nb::handle x_obj,
+/// the cache and have their own calls. `one_launch`: the step, append +
+/// observe + evict in one call (batched_step), the K/V rows already in the
+/// next slots.
+void observe_evict(bool one_launch, const Descriptor& desc, nb::handle memory, decode_input input, nb::handle x_obj,
                    nb::handle lse_obj, float scale, kvevict::lse_base base_code, nb::handle victims_obj,
                    nb::handle active_obj, std::uintptr_t stream) {
-  const char* call = "observe_evict";
+  const char* call = one_launch ? "step" : "observe_evict";
   const state_ref st = resolve_state(desc, memory, call);
   const kvevict::active_set active = parse_active(active_obj, st, call);
   std::int32_t* victims =
       int32_output(victims_obj, st.dev, std::size_t(st.view.num_seqs()) * st.view.num_heads(), call, "victims");
   auto step = [&](const auto& in) {
+    if (one_launch) {
+      KVEVICT_PY_ON_DEVICE(st, run_host(st, call, [&] { kvevict::batched_step(st.view, active, in, victims, st.status); }),
+                           cuda::step(st.view, active, in, victims, st.status, stream_of(stream)));
+      return;
+    }
     KVEVICT_PY_ON_DEVICE(st, run_host(st, call, [&] { kvevict::batched_observe_evict(st.view, active, in, victims, st.status); }),
                          cuda::observe_evict(st.view, active, in, victims, st.status, stream_of(stream)));
   };
@@ -128,8 +135,15 @@ void bind_decode(nb::module_& m) {
   m.def("append", &append, "desc"_a, "state"_a, "active"_a = none, "stream"_a = 0);
   m.def("append_kv", &append_kv, "desc"_a, "state"_a, "layout"_a, "k_cache"_a, "v_cache"_a, "page_table"_a.none(),
         "scales"_a.none(), "k_new"_a, "v_new"_a, "active"_a = none, "stream"_a = 0);
-  m.def("observe_evict", &observe_evict, "desc"_a, "state"_a, "input"_a, "x"_a, "lse"_a.none(), "scale"_a, "base"_a,
-        "victims"_a.none(), "active"_a = none, "stream"_a = 0);
+  for (const bool one_launch : {false, true})
+    m.def(one_launch ? "step" : "observe_evict",
+          [one_launch](const Descriptor& desc, nb::handle memory, decode_input input, nb::handle x, nb::handle lse,
+                       float scale, kvevict::lse_base base, nb::handle victims, nb::handle active,
+                       std::uintptr_t stream) {
+            observe_evict(one_launch, desc, memory, input, x, lse, scale, base, victims, active, stream);
+          },
+          "desc"_a, "state"_a, "input"_a, "x"_a, "lse"_a.none(), "scale"_a, "base"_a, "victims"_a.none(),
+          "active"_a = none, "stream"_a = 0);
   m.def("observe_evict_queries", &observe_evict_queries, "desc"_a, "state"_a, "queries"_a, "lse"_a, "scale"_a,
         "base"_a, "layout"_a, "k_cache"_a, "v_cache"_a, "page_table"_a.none(), "scales"_a.none(), "victims"_a.none(),
         "active"_a = none, "stream"_a = 0);
