@@ -1,6 +1,12 @@
 // kvevict demo on CUDA: the demo's synthetic decode stream (same flags, same
-// table as kvevict_demo) run through the batched API, one launch pair per
-// step for the whole ragged batch, on the GPU and on the host side by side.
+// table as kvevict_demo) run through the batched API for the whole ragged
+// batch, on the GPU and on the host side by side. On the GPU, h2o,
+// recent_window and random take the one-launch step: the demo's own kernel
+// writes the new K/V rows to the state's next slots (as an engine's append
+// kernel does with its slot mapping), then gpu::batched_step appends,
+// observes and evicts in one kernel; the host runs append, then observe +
+// evict, so the table also checks that the two cycles agree. exact_greedy
+// reads the cache and keeps the launch pair.
 // Each policy runs as batched_policy<Policy, device::cuda> and as
 // batched_policy<Policy, device::host> on identical inputs; the table adds
 // the GPU's time per step and whether the two devices' slot tables, scores
@@ -41,6 +47,24 @@ struct device_array {
     throw_on_error(cudaMemcpyAsync(ptr, host, n * sizeof(T), cudaMemcpyHostToDevice, s), "cudaMemcpyAsync");
   }
 };
+
+/// The engine's append kernel of the one-launch cycle: the new K and V rows of
+/// each active (b, h) (block (b, h)) go to its next slot, read in place from
+/// the state; a head with no free slot (-1) writes nothing, its sequence's
+/// step being refused.
+template <class T, class Layout>
+__global__ void write_next_rows(kvevict::batch_state_view st, const std::uint8_t* active, kvevict::kv_view<T, Layout> cache,
+                                const T* k_new, const T* v_new) {
+  const std::int32_t b = static_cast<std::int32_t>(blockIdx.x) / st.num_heads();
+  const std::int32_t h = static_cast<std::int32_t>(blockIdx.x) % st.num_heads();
+  const std::int32_t slot = st.slots.next_slots[st.head_index(b, h)];
+  if (!active[b] || slot < 0) return;
+  const std::size_t row = (std::size_t(b) * st.num_heads() + h) * std::size_t(cache.head_dim);
+  for (std::int32_t d = static_cast<std::int32_t>(threadIdx.x); d < cache.head_dim; d += blockDim.x) {
+    cache.k_row(b, h, slot)[d] = k_new[row + d];
+    cache.v_row(b, h, slot)[d] = v_new[row + d];
+  }
+}
 
 /// One policy on both devices, each with its own cache.
 template <class Policy, class T, class Layout>
@@ -129,9 +153,15 @@ void run(const options& o, MakeCache make_cache) {
   lse_gpu.upload(lse.data(), lse.size(), stream);
 
   auto step = [&](auto& r, std::int32_t t, const active_set& host_active, const active_set& gpu_active) {
+    constexpr bool greedy = std::is_same_v<std::decay_t<decltype(r.host)>, batched_policy<exact_greedy_policy>>;
     const auto rows = [&](const T* p) { return batch_rows<T>{make_tensor_view<const T>(p, B, H, D)}; };
     r.host.append(r.host_cache.view(), rows(ref.new_k.data()), rows(ref.new_v.data()), host_active);
-    r.gpu.append(r.gpu_cache, rows(k_gpu.ptr), rows(v_gpu.ptr), gpu_active, stream);
+    if constexpr (greedy) {
+      r.gpu.append(r.gpu_cache, rows(k_gpu.ptr), rows(v_gpu.ptr), gpu_active, stream);
+    } else {  // the one-launch cycle: the engine writes the rows to the next slots itself
+      write_next_rows<<<B * H, 64, 0, stream>>>(r.gpu.state(), flags_gpu.ptr, r.gpu_cache, k_gpu.ptr, v_gpu.ptr);
+      throw_on_error(cudaGetLastError(), "write_next_rows");
+    }
     // Attention over the occupied slots [0, count): the engine's part.
     const batch_state_view& st = r.host.state();
     const auto view = r.host_cache.view();
@@ -152,7 +182,7 @@ void run(const options& o, MakeCache make_cache) {
       }
     }
     const auto host_start = std::chrono::steady_clock::now();
-    if constexpr (std::is_same_v<std::decay_t<decltype(r.host)>, batched_policy<exact_greedy_policy>>) {
+    if constexpr (greedy) {
       const auto lse_view = [&](const float* p) { return make_tensor_view<const float>(p, B, Hq); };
       r.host.observe_evict(batch_queries<float>{make_tensor_view<const float>(ref.q.data(), B, Hq, D),
                                                 lse_view(lse.data()), ref.scale()},
@@ -167,8 +197,8 @@ void run(const options& o, MakeCache make_cache) {
       r.m.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - host_start).count();
       probs_gpu.upload(probs.data(), probs.size(), stream);
       throw_on_error(cudaEventRecord(start, stream), "cudaEventRecord");
-      r.gpu.observe_evict(batch_probs{make_tensor_view<const float>(probs_gpu.ptr, B, Hq, capacity)}, gpu_active,
-                          nullptr, stream);
+      r.gpu.step(batch_probs{make_tensor_view<const float>(probs_gpu.ptr, B, Hq, capacity)}, gpu_active, nullptr,
+                 stream);
     }
     throw_on_error(cudaEventRecord(stop, stream), "cudaEventRecord");
     throw_on_error(cudaEventSynchronize(stop), "cudaEventSynchronize");

@@ -15,6 +15,8 @@
 #
 #   scripts/gpu-pack.sh                 # Release build for sm_90 in build-gpu-pack/, then the pack
 #   scripts/gpu-pack.sh --from build    # pack an existing Release build's binaries, building nothing
+#   scripts/gpu-pack.sh --perf          # the performance loop's pack only: test_cuda_decode, test_cuda_select
+#                                       # and kvevict_bench_cuda (a few minutes here), for run.sh OUTDIR --perf
 #   scripts/gpu-pack.sh --check         # then check it: size, time bound, filters, a run without a GPU
 #   --out DIR                           # the pack's folder (default .gpu-pack)
 #
@@ -33,12 +35,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-from="" out=.gpu-pack check=0
+from="" out=.gpu-pack check=0 perf=0
 while [ $# -gt 0 ]; do
   case $1 in
     --from) from=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
     --check) check=1; shift ;;
+    --perf) perf=1; shift ;;
     -h | --help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) echo "gpu-pack: unknown argument $1 (--help)" >&2; exit 2 ;;
   esac
@@ -56,6 +59,7 @@ target_glibc=${TARGET_GLIBC:-2.39}
 target_glibcxx=${TARGET_GLIBCXX:-3.4.32}
 targets=(test_cuda_decode test_cuda_select test_cuda_prefill test_cuda_exact_greedy test_cuda_evict_to
   kvevict_demo_cuda kvevict_bench_cuda)
+[ "$perf" = 1 ] && targets=(test_cuda_decode test_cuda_select kvevict_bench_cuda)
 
 if [ -z "$from" ]; then
   build=${BUILD_DIR:-build-gpu-pack}
@@ -151,6 +155,7 @@ if head=$(git rev-parse --short=12 HEAD 2>/dev/null); then
 fi
 {
   echo "commit: $commit"
+  [ "$perf" = 1 ] && echo "kind: the performance loop's pack (run.sh OUTDIR --perf)"
   echo "packed: $(date -u +%Y-%m-%dT%H:%MZ) from $(cd "$build" && pwd)"
   echo "build: $(cache_value CMAKE_BUILD_TYPE); architectures $(cache_value KVEVICT_CUDA_ARCHITECTURES)" \
     "(benchmark $(cache_value KVEVICT_BENCH_CUDA_ARCHITECTURES)); CUDA flags: $(cache_value CMAKE_CUDA_FLAGS)"
@@ -174,7 +179,7 @@ fi
 
 # ---- --check ----
 echo "gpu-pack: the time limits of run.sh"
-"$out/run.sh" --plan | tail -8
+if [ "$perf" = 1 ]; then "$out/run.sh" --plan --perf | tail -7; else "$out/run.sh" --plan | tail -8; fi
 
 # doctest wildcards (* and ?, case-insensitive) against the TEST_CASE names.
 bad=0
@@ -199,7 +204,7 @@ fi
 dry=$(mktemp -d)
 trap 'rm -rf "$dry"' EXIT
 set +e
-"$out/run.sh" "$dry/out" >"$dry/log" 2>&1
+if [ "$perf" = 1 ]; then "$out/run.sh" "$dry/out" --perf >"$dry/log" 2>&1; else "$out/run.sh" "$dry/out" >"$dry/log" 2>&1; fi
 rc=$?
 set -e
 tail -n 45 "$dry/log"

@@ -8,7 +8,10 @@
 #
 #   .gpu-pack/run.sh OUTDIR      # the check; results and logs in OUTDIR
 #   .gpu-pack/run.sh OUTDIR --only REGEX   # only the phases whose names match (a rerun of what failed)
-#   .gpu-pack/run.sh --plan      # the phases and their limits, checked against 7 minutes; runs nothing
+#   .gpu-pack/run.sh OUTDIR --perf   # the performance loop, at most 3 minutes: the decode and select
+#                                    # tests (correct first), the target rows, Nsight Compute's metrics
+#                                    # on the decode step and selection kernels (ncu-*.csv in OUTDIR)
+#   .gpu-pack/run.sh --plan [--perf]   # the phases and their limits, checked against 7 (3) minutes; runs nothing
 #   .gpu-pack/run.sh --filters   # the sanitizers' doctest filters (scripts/gpu-pack.sh --check checks them)
 #
 # Nothing has run on a GPU before, so crashes and hangs are expected: every
@@ -58,7 +61,7 @@ declare -A CHOSEN=(
   # split rows: several blocks per row (the workspace partials, the last
   # block's merge and commit) on every input kind; key_norms: the key-norm
   # source, short and split rows.
-  [test_cuda_decode]='cuda h2o*,cuda random*,cuda split rows*,cuda key_norms*'
+  [test_cuda_decode]='cuda h2o*,cuda random*,cuda split rows*,cuda key_norms*,cuda one-launch*'
   # One-block and multi-block paths, the CUB reorder by position, mask-only
   # and indices-only outputs, ragged lengths: every selection kernel.
   [test_cuda_select]='cuda select: uniform k*'
@@ -80,7 +83,8 @@ declare -A CHOSEN=(
 # extended regular expressions): the GPU targets of docs/benchmarks.md only, cold.
 # Decode: h2o over S0-S5 and L8 (64 x 8 x 16K) beside the minimal fused kernel and the copy
 # bandwidth on the same bytes.
-BENCH_DECODE='^gpu_decode/(h2o|fused_kernel|d2d_copy)/probs/(S[0-5]|L8)/evict1/powerlaw/f32(/|$)'
+# h2o_step is the one-launch step (gpu::batched_step), h2o the two launches.
+BENCH_DECODE='^gpu_decode/(h2o|h2o_step|fused_kernel|d2d_copy)/probs/(S[0-5]|L8)/evict1/powerlaw/f32(/|$)|^gpu_decode/h2o_step/(head_scores|logits)/S[124]/evict1/powerlaw/f32(/|$)'
 # Selection: S1-S3, keep 20% and 50%, both ends, beside both CUB sorts.
 BENCH_SELECT='^gpu_select/(kvevict|cub_radix_sort|cub_segmented_sort)/(bottom|top)/S[1-3]/keep(20|50)/powerlaw/f32(/|$)'
 # Seconds of per-layer time each row accumulates (one replay times 32
@@ -117,7 +121,7 @@ sanitizer_lane() {
   phase "memcheck-$s" 65 env "$LDP" KVEVICT_TEST_QUICK=2 "$SANITIZER" --tool memcheck "${SANITIZER_ARGS[@]}" \
     "$BIN/$t" "${DOCTEST_ARGS[@]}"
   local tool limit quick
-  for tool in racecheck:45:3 synccheck:20:1 initcheck:25:1; do  # tool:limit:KVEVICT_TEST_QUICK
+  for tool in racecheck:40:3 synccheck:15:1 initcheck:20:1; do  # tool:limit:KVEVICT_TEST_QUICK
     IFS=: read -r tool limit quick <<<"$tool"
     phase "$tool-$s" "$limit" env "$LDP" KVEVICT_TEST_QUICK="$quick" "$SANITIZER" --tool "$tool" \
       "${SANITIZER_ARGS[@]}" "$BIN/$t" "${DOCTEST_ARGS[@]}" "-tc=${CHOSEN[$t]}"
@@ -140,7 +144,7 @@ lane_python() { phase python-cuda 150 "$SELF" --python-tests; }
 
 # Benchmarks, alone on the GPU. Two processes, so a hang in one family keeps the other's rows.
 lane_bench() {
-  phase bench-decode 50 env "$LDP" "$BIN/kvevict_bench_cuda" --benchmark_filter="$BENCH_DECODE" \
+  phase bench-decode 65 env "$LDP" "$BIN/kvevict_bench_cuda" --benchmark_filter="$BENCH_DECODE" \
     --benchmark_min_time="$BENCH_MIN_TIME" --benchmark_out="$LOGS/bench-decode.json" --benchmark_out_format=json
   phase bench-select 45 env "$LDP" "$BIN/kvevict_bench_cuda" --benchmark_filter="$BENCH_SELECT" \
     --benchmark_min_time="$BENCH_MIN_TIME" --benchmark_out="$LOGS/bench-select.json" --benchmark_out_format=json
@@ -151,7 +155,42 @@ lane_torch() {
 }
 lane_report() { phase report 5 "$SELF" --report "$OUT"; }
 
+# The performance loop (--perf): what a measure-and-change cycle needs, in
+# 3 minutes. Nsight Compute (NCU) replays each kernel: the review's metrics
+# (docs/gpu.md, "Performance loop") on a few launches of the target rows.
+NCU=${NCU:-/usr/local/cuda/bin/ncu}
+NCU_METRICS=gpu__time_duration.sum,smsp__inst_executed.sum,sm__warps_active.avg.pct_of_peak_sustained_active,\
+dram__throughput.avg.pct_of_peak_sustained_elapsed,smsp__sass_inst_executed_op_local_ld.sum,launch__registers_per_thread
+BENCH_PERF_DECODE='^gpu_decode/(h2o|h2o_step|fused_kernel|d2d_copy)/probs/(S[0-5]|L8)/evict1/powerlaw/f32(/|$)'
+BENCH_PERF_SELECT='^gpu_select/(kvevict|cub_segmented_sort)/bottom/S[1-3]/keep(20|50)/powerlaw/f32(/|$)'
+NCU_DECODE_ROWS='^gpu_decode/(h2o|h2o_step|fused_kernel)/probs/(S1|S5)/evict1/powerlaw/f32(/|$)'
+NCU_SELECT_ROWS='^gpu_select/kvevict/bottom/S3/keep(20|50)/powerlaw/f32(/|$)'
+lane_perf_test_decode() { phase test-decode 25 env "$LDP" KVEVICT_TEST_QUICK=1 "$BIN/test_cuda_decode" \
+  "${DOCTEST_ARGS[@]}" "-tc=cuda h2o*,cuda split rows*,cuda one-launch*"; }
+lane_perf_test_select() { phase test-select 25 env "$LDP" "$BIN/test_cuda_select" "${DOCTEST_ARGS[@]}"; }
+lane_perf_bench() {
+  phase bench-decode 40 env "$LDP" "$BIN/kvevict_bench_cuda" --benchmark_filter="$BENCH_PERF_DECODE" \
+    --benchmark_min_time="$BENCH_MIN_TIME" --benchmark_out="$LOGS/bench-decode.json" --benchmark_out_format=json
+  phase bench-select 20 env "$LDP" "$BIN/kvevict_bench_cuda" --benchmark_filter="$BENCH_PERF_SELECT" \
+    --benchmark_min_time="$BENCH_MIN_TIME" --benchmark_out="$LOGS/bench-select.json" --benchmark_out_format=json
+}
+ncu_phase() {  # ncu_phase NAME ROWS KERNELS
+  phase "$1" 22 "$NCU" --graph-profiling node -k "regex:$3" -c 12 --csv --metrics "$NCU_METRICS" \
+    --log-file "$OUT/$1.csv" env "$LDP" "$BIN/kvevict_bench_cuda" --benchmark_filter="$2" --benchmark_min_time=0
+}
+lane_ncu() {
+  ncu_phase ncu-decode "$NCU_DECODE_ROWS" 'observe_evict|append_kernel|fused'
+  ncu_phase ncu-select "$NCU_SELECT_ROWS" 'select_|DeviceSegmentedRadixSort'
+}
 stages() {
+  if [ "${PERF:-0}" = 1 ]; then
+    stage preflight lane_preflight
+    stage tests lane_perf_test_decode lane_perf_test_select
+    stage bench lane_perf_bench
+    stage ncu lane_ncu
+    stage report lane_report
+    return
+  fi
   stage preflight lane_preflight
   stage tests lane_test_decode lane_test_select lane_test_prefill lane_test_exact_greedy lane_test_evict_to lane_demo
   stage sanitizers lane_san_decode lane_san_select lane_san_prefill lane_san_exact_greedy lane_san_evict_to \
@@ -414,6 +453,10 @@ OUT=/nowhere LOGS=/nowhere/logs TORCH_ENV=() ONLY=
 
 case "$1" in
   --plan)
+    if [ "${2:-}" = --perf ]; then
+      PERF=1
+      BUDGET=180
+    fi
     tmp=$(mktemp -d)
     WORK=$tmp
     make_plan "$tmp"
@@ -439,7 +482,10 @@ case "$1" in
 esac
 
 ONLY=
-if [ "${2:-}" = --only ]; then
+if [ "${2:-}" = --perf ]; then
+  PERF=1
+  BUDGET=180
+elif [ "${2:-}" = --only ]; then
   ONLY=${3:?--only takes a regular expression of phase names}
 elif [ $# -gt 1 ]; then
   usage >&2

@@ -53,6 +53,17 @@ struct h2o_setup {
   static constexpr const char* name = "h2o";
   static kvevict::h2o_config config(std::int32_t budget) { return {budget - kRecent, kRecent}; }
 };
+/// h2o through the one-launch step (gpu::batched_step): the same rows as
+/// h2o's two launches, the engine's K/V write left out of both.
+struct h2o_step_setup : h2o_setup {
+  static constexpr const char* name = "h2o_step";
+  static constexpr bool one_launch = true;
+};
+template <class Setup, class = void>
+struct is_one_launch : std::false_type {};
+template <class Setup>
+struct is_one_launch<Setup, std::void_t<decltype(Setup::one_launch)>> : std::true_type {};
+
 struct recent_window_setup {
   using policy = kvevict::recent_window_policy;
   static constexpr const char* name = "recent_window";
@@ -152,9 +163,10 @@ class decode_layers {
   std::int64_t bytes() const { return bytes_; }
   int count() const { return int(layers_.size()); }
 
-  /// Launch 1 + launch 2 of layer l.
+  /// Launch 1 + launch 2 of layer l, or the one launch.
   cudaError_t step(int l, cudaStream_t stream) {
     layer<Setup>& ly = layers_[std::size_t(l)];
+    if constexpr (is_one_launch<Setup>::value) return one_launch(ly, stream);
     const kvevict::batch_state_view& st = ly.policy.state();
     const cudaError_t e = kvevict::gpu::batched_append(st, kvevict::active_set::all(), ly.policy.status_device(), stream);
     if (e != cudaSuccess) return e;
@@ -194,6 +206,22 @@ class decode_layers {
       }
     }
     return cudaErrorInvalidValue;
+  }
+
+  cudaError_t one_launch(layer<Setup>& ly, cudaStream_t stream) const {
+    const kvevict::batch_state_view& st = ly.policy.state();
+    const auto all = kvevict::active_set::all();
+    std::uint64_t* status = ly.policy.status_device();
+    const auto values = kvevict::make_tensor_view<const float>(ly.values.get(), sc_.seqs, rows_per_seq_, sc_.slots);
+    const auto lse = kvevict::make_tensor_view<const float>(ly.lse.get(), sc_.seqs, sc_.q_heads());
+    switch (kind_) {
+      case input_kind::probs: return kvevict::gpu::batched_step(st, all, kvevict::batch_probs{values}, nullptr, status, stream);
+      case input_kind::head_scores:
+        return kvevict::gpu::batched_step(st, all, kvevict::batch_head_scores{values}, nullptr, status, stream);
+      case input_kind::logits:
+        return kvevict::gpu::batched_step(st, all, kvevict::batch_logits{values, lse}, nullptr, status, stream);
+      default: return cudaErrorInvalidValue;  // queries keep the two launches
+    }
   }
 
   kvevict::kv_view<kvevict::bfloat16, kvevict::strided_layout> cache_of(const layer<Setup>& ly) const {
@@ -276,6 +304,9 @@ inline void register_all() {
     const distribution pl = distribution::powerlaw;
     register_step<h2o_setup>(sc, input_kind::head_scores, pl);
     register_step<h2o_setup>(sc, input_kind::logits, pl);
+    register_step<h2o_step_setup>(sc, input_kind::probs, pl);
+    register_step<h2o_step_setup>(sc, input_kind::head_scores, pl);
+    register_step<h2o_step_setup>(sc, input_kind::logits, pl);
     register_step<recent_window_setup>(sc, input_kind::probs, pl);
     register_step<random_setup>(sc, input_kind::probs, pl);
     if (std::string(sc.name) == "S5") {

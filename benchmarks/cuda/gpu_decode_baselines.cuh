@@ -171,47 +171,69 @@ __global__ void __launch_bounds__(kFusedThreads) fused_observe_evict_kernel(fuse
       x.w += y.w;
     }
     float4 sc = *reinterpret_cast<const float4*>(s + j);
+    const int4 p = *reinterpret_cast<const int4*>(pos + j);  // before the store: no second round trip
     sc.x += x.x;
     sc.y += x.y;
     sc.z += x.z;
     sc.w += x.w;
     *reinterpret_cast<float4*>(s + j) = sc;
-    const int4 p = *reinterpret_cast<const int4*>(pos + j);
     consider(sc.x, p.x, j, oldest_protected, best, best_slot);
     consider(sc.y, p.y, j + 1, oldest_protected, best, best_slot);
     consider(sc.z, p.z, j + 2, oldest_protected, best, best_slot);
     consider(sc.w, p.w, j + 3, oldest_protected, best, best_slot);
   }
   const unsigned long long lowest = reduce(temp).Reduce(best, lowest_key{});
-  if (threadIdx.x == 0) block_best = lowest;
+  if (threadIdx.x == 0) {
+    block_best = lowest;
+    block_slot = -1;
+  }
   __syncthreads();
   if (best == block_best && best_slot >= 0) block_slot = best_slot;  // keys are unique: one thread
   __syncthreads();
+  auto commit = [&](std::int32_t victim) {
+    if (victim >= 0) {
+      s[victim] = 0.0f;
+      f.positions[bh * n + victim] = f.next_position[bh];
+    }
+    f.next_position[bh] += 1;
+  };
+  if (f.chunks == 1) {  // a row in one block: no fence, atomic or reload
+    if (threadIdx.x == 0) commit(block_slot);
+    return;
+  }
   if (threadIdx.x == 0) {
     f.partial_key[blockIdx.x] = block_best;
-    f.partial_slot[blockIdx.x] = block_best == ~0ull ? -1 : block_slot;
+    f.partial_slot[blockIdx.x] = block_slot;
     __threadfence();
     last = atomicAdd(&f.finished[bh], 1u) == unsigned(f.chunks - 1);
   }
   __syncthreads();
-  if (!last || threadIdx.x != 0) return;
-  // The last block of this (b, h): every partial is visible after the fence.
-  unsigned long long winner = ~0ull;
-  std::int32_t victim = -1;
-  for (std::int32_t c = 0; c < f.chunks; ++c) {
+  if (!last) return;
+  // The last block of this (b, h): every partial is visible after the fence;
+  // its threads load them side by side and reduce.
+  unsigned long long mine = ~0ull;
+  std::int32_t mine_slot = -1;
+  for (std::int32_t c = std::int32_t(threadIdx.x); c < f.chunks; c += kFusedThreads) {
     const std::int64_t i = std::int64_t(bh) * f.chunks + c;
     const unsigned long long key = __ldcg(f.partial_key + i);
-    if (key < winner) {
-      winner = key;
-      victim = __ldcg(f.partial_slot + i);
+    if (key < mine) {
+      mine = key;
+      mine_slot = __ldcg(f.partial_slot + i);
     }
   }
-  if (victim >= 0) {
-    s[victim] = 0.0f;
-    f.positions[bh * n + victim] = f.next_position[bh];
+  __syncthreads();  // temp is reused
+  const unsigned long long winner = reduce(temp).Reduce(mine, lowest_key{});
+  if (threadIdx.x == 0) {
+    block_best = winner;
+    block_slot = -1;
   }
-  f.next_position[bh] += 1;
-  f.finished[bh] = 0;
+  __syncthreads();
+  if (mine == block_best && mine_slot >= 0) block_slot = mine_slot;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    commit(block_best == ~0ull ? -1 : block_slot);
+    f.finished[bh] = 0;
+  }
 }
 
 struct fused_layer {
