@@ -238,7 +238,7 @@ class batched_driver {
     kvevict::batch_state_view v = st();
     if (!in_.one_in(16)) return v;
     bool must = true;
-    switch (in_.range(0, 11)) {
+    switch (in_.range(0, 13)) {
       case 0: v.rule.victim = static_cast<kvevict::victim_rule>(in_.range(3, 255)); break;
       case 1: v.rule.reduce = static_cast<kvevict::group_reduce>(in_.range(3, 1000)); break;
       case 2: v.rule.protect.sinks = -in_.range(1, 5); break;
@@ -249,6 +249,8 @@ class batched_driver {
       case 7: v.appended = nullptr; break;
       case 8: v.slots.next_slots = nullptr; break;
       case 9: v.num_q_heads = 0; break;
+      case 11: v.marks.full = nullptr; break;
+      case 12: v.marks.words += 1; break;
       case 10:
         v.streams = nullptr;
         must = v.rule.victim == kvevict::victim_rule::random_priority;

@@ -287,6 +287,13 @@ TEST_CASE("batched_step checks its arguments before anything changes") {
   refused([&] { batched_step(st.view, active_set::all(), in, nullptr, nullptr); }, "status");
   const batch_probs narrow{make_tensor_view<const float>(probs.data(), 2, 3, 4)};
   refused([&] { batched_step(st.view, active_set::all(), narrow, nullptr, &status); }, "probs.extents[1]");
+  batch_state_view no_marks = st.view;
+  no_marks.marks.full = nullptr;
+  refused([&] { batched_step(no_marks, active_set::all(), in, nullptr, &status); }, "state.marks.full");
+  batch_state_view wrong_words = st.view;
+  wrong_words.marks.words = 2;
+  refused([&] { batched_step(wrong_words, active_set::all(), in, nullptr, &status); }, "state.marks.words");
+  refused([&] { batched_append(wrong_words, active_set::all(), &status); }, "state.marks.words");
 }
 
 TEST_CASE("row marks: every call that sets next slots or lengths keeps them, 1 to 70 heads") {

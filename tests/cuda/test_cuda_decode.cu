@@ -26,6 +26,7 @@
 #include "support/batch_streams.hpp"
 #include "support/caches.hpp"
 #include "support/h2o_draws.hpp"
+#include "support/state_invariants.hpp"
 #include "cuda/device_mirror.cuh"
 
 namespace {
@@ -323,7 +324,8 @@ namespace {
 /// `length` and random scores with ties, written on the host, copied to the
 /// device.
 template <class Policy>
-void fill_state(const batch_state_view& st, std::mt19937& rng, std::int32_t length) {
+void fill_state(const batch_state_view& st, std::mt19937& rng, std::int32_t length, std::int32_t count = -1) {
+  if (count < 0) count = st.rule.budget;
   for (std::int32_t b = 0; b < st.num_seqs(); ++b) {
     st.slots.lengths[b] = length;
     for (std::int32_t h = 0; h < st.num_heads(); ++h) {
@@ -331,7 +333,6 @@ void fill_state(const batch_state_view& st, std::mt19937& rng, std::int32_t leng
       for (std::int32_t p = 0; p < length; ++p) pos[std::size_t(p)] = p;
       std::shuffle(pos.begin(), pos.end() - 1, rng);  // keep the newest: nothing breaks the recent window
       std::swap(pos[0], pos.back());
-      const std::int32_t count = st.rule.budget;
       std::int32_t* slots = st.slots.positions_of(b, h);
       for (std::int32_t s = 0; s < st.capacity(); ++s) {
         slots[s] = s < count ? pos[std::size_t(s)] : -1;
@@ -903,13 +904,15 @@ void clear_host_status(batched_policy<Policy>& p) {
 }
 
 /// Host batched_step against gpu::batched_step over many steps: short rows
-/// filled from empty, or long rows (several blocks each, so the appended
-/// slot may sit in any chunk) filled at the start; bad inputs leave heads
-/// full, whose sequences the next steps refuse whole until a retry of the
-/// waiting heads (on both) catches them up. State (row marks included),
-/// victims and status equal after every step.
+/// filled from empty (`heads` 70: two mark words a sequence), or long rows
+/// (several blocks each, so the appended slot may sit in any chunk) filled
+/// at the start, full or just below a chunk's end so that the step's count
+/// crosses into the next chunk; bad inputs leave heads full, whose
+/// sequences the next steps refuse whole until a retry of the waiting heads
+/// (on both, now and then) catches them up. State (row marks included),
+/// victims and status equal after every step. Returns the sequences refused.
 template <class Policy>
-void run_one_launch(std::uint32_t seed, input_kind kind, bool long_rows) {
+std::int64_t run_one_launch(std::uint32_t seed, input_kind kind, bool long_rows, std::int32_t heads = 0) {
   CAPTURE(seed);
   CAPTURE(std::string(kvtest::name(kind)));
   CAPTURE(long_rows);
@@ -918,7 +921,7 @@ void run_one_launch(std::uint32_t seed, input_kind kind, bool long_rows) {
   auto config = draw_config<Policy>(rng, budget);
   kvtest::batch_dims dm;
   dm.seqs = 1 + std::int32_t(rng() % 4);
-  dm.heads = 1 + std::int32_t(rng() % 3);
+  dm.heads = heads > 0 ? heads : 1 + std::int32_t(rng() % 3);
   dm.group = kind == input_kind::head_scores ? 1 : 1 + std::int32_t(rng() % 2);
   dm.capacity = budget + 1 + std::int32_t(rng() % 3);
   if (long_rows) {
@@ -933,8 +936,11 @@ void run_one_launch(std::uint32_t seed, input_kind kind, bool long_rows) {
   batched_policy<Policy> ref(shape, config);
   raw_device_policy<Policy> dev(shape, config);
   if (long_rows) {
-    dev.force_split(1 + std::int32_t(seed % 2));
-    fill_state<Policy>(ref.state(), rng, dm.capacity + 5);
+    const std::int32_t tiles = 1 + std::int32_t(seed % 2);
+    dev.force_split(tiles);
+    // Full, or one below a chunk's end with room to grow past it.
+    const std::int32_t count = seed % 3 == 0 ? tiles * decode_tuning::tile - 1 : -1;
+    fill_state<Policy>(ref.state(), rng, dm.capacity + 5, count);
     KVTEST_CUDA(gpu::copy_batch_state(dev.state(), ref.state(), cudaMemcpyHostToDevice, nullptr));
   }
   kvtest::host_state_mirror<Policy> mirror(shape, config);
@@ -957,7 +963,8 @@ void run_one_launch(std::uint32_t seed, input_kind kind, bool long_rows) {
     refused += batch_status::unpack(word).code == batch_code::no_free_slot;
     mirror.read(dev.state());
     kvtest::check_same_state(ref.state(), mirror.view);
-    if (word != batch_status_clear) {  // the heads waiting for their observation catch up, on both
+    kvtest::check_row_marks(mirror.view);
+    if (word != batch_status_clear && rng() % 3 == 0) {  // the waiting heads catch up, on both
       clear_host_status(ref);
       dev.clear_status();
       kvtest::batch_step<float> good = kvtest::draw_step<float>(rng, dm, 0.0);
@@ -974,19 +981,23 @@ void run_one_launch(std::uint32_t seed, input_kind kind, bool long_rows) {
       kvtest::check_same_state(ref.state(), mirror.view);
     }
   }
-  MESSAGE("sequences refused: ", refused);
+  return refused;
 }
 
 }  // namespace
 
 TEST_CASE("cuda one-launch step equals the host's batched_step bit for bit: refusals, retries, split rows") {
   std::uint32_t seed = 5000;
+  std::int64_t refused = 0;
   const int stride = kvtest::quick_stride(3);  // quick mode: one seed in `stride`, long rows among them
   for (input_kind kind : {input_kind::probs, input_kind::head_scores, input_kind::logits})
-    for (int i = 0; i < 6; ++i, ++seed) {
+    for (int i = 0; i < 7; ++i, ++seed) {
       if (i % stride != 0 && i < 3) continue;
-      run_one_launch<h2o_policy>(seed, kind, i == 5);
-      run_one_launch<recent_window_policy>(seed, kind, i == 4);
-      run_one_launch<random_policy>(seed, kind, i == 3);
+      const std::int32_t heads = i == 6 ? 70 : 0;
+      refused += run_one_launch<h2o_policy>(seed, kind, i == 5, heads);
+      refused += run_one_launch<recent_window_policy>(seed, kind, i == 4, heads);
+      refused += run_one_launch<random_policy>(seed, kind, i == 3, heads);
     }
+  MESSAGE("sequences refused: ", refused);
+  CHECK(refused > 0);
 }

@@ -46,12 +46,17 @@ inline void require_state(const site& w, const batch_state_view& st) {
   require_not_null(w, "state.scores", st.scores);
   require_not_null(w, "state.score_buffer", st.score_buffer);
   require_not_null(w, "state.appended", st.appended);
+  require_not_null(w, "state.marks.lengths", st.marks.lengths);
+  require_not_null(w, "state.marks.full", st.marks.full);
   require_positive(w, "state.num_seqs", st.slots.num_seqs);
   require_positive(w, "state.num_heads", st.slots.num_heads);
   require_positive(w, "state.num_q_heads", st.num_q_heads);
   if (st.num_q_heads % st.slots.num_heads != 0)
     fail<invalid_argument>(w, "state.num_q_heads", "= ", st.num_q_heads, " is not a multiple of num_heads = ",
                            st.slots.num_heads);
+  if (st.marks.words != (st.slots.num_heads + 63) / 64)
+    fail<invalid_argument>(w, "state.marks.words", "= ", st.marks.words, ", ", st.slots.num_heads,
+                           " heads need ", (st.slots.num_heads + 63) / 64);
   require_rule(w, st);
   if (st.rule.victim == victim_rule::random_priority) require_not_null(w, "state.streams", st.streams);
   // Anchor rows are indexed by the state's (sequence, head): another head count reads other memory.

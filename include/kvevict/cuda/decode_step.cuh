@@ -50,8 +50,8 @@ cudaError_t step_split(const batch_state_view& st, const active_set& active, con
 }  // namespace detail
 
 /// Append + observe + evict of every active sequence in one launch, from
-/// `in` (batch_probs, batch_head_scores, batch_logits or key_norms; device
-/// memory), whose columns cover slots [0, count + 1): each head's next slot
+/// `in` (batch_probs, batch_head_scores or batch_logits; device memory),
+/// whose columns cover slots [0, count + 1): each head's next slot
 /// takes position lengths[b], then every occupied slot takes its increment
 /// and, above the budget, the policy's victim is freed. A sequence with a
 /// head at budget + 1 tokens is left unchanged (no_free_slot); bad input

@@ -108,10 +108,13 @@ __device__ inline bool start_step_row(const batch_state_view& st, std::int32_t b
   const std::uint64_t even = st.marks.full[b * words], odd = st.marks.full[(st.num_seqs() + b) * words];
   std::int32_t full = words == 1 ? kvevict::detail::lowest_bit(seen & 1 ? odd : even, st.num_heads())
                                  : kvevict::detail::first_full_head(st, b, seen);
-  if (full < 0 && next < 0) full = h;  // marks that disagree with the table (written by hand): refuse, never write
+  // Marks that disagree with the table (a state written by hand): this row
+  // refuses and says so, and never writes.
+  const bool disagree = full < 0 && next < 0;
+  if (disagree) full = h;
   if (full >= 0) {
     if (chunk == 0 && threadIdx.x == 0) {
-      if (h == 0) report(status, pack_status(b, full, 0, batch_code::no_free_slot));
+      if (h == 0 || disagree) report(status, pack_status(b, full, 0, batch_code::no_free_slot));
       if (victims) victims[bh] = -1;
     }
     return false;
@@ -192,8 +195,12 @@ __global__ void __launch_bounds__(decode_tuning::threads, Source::min_blocks)
         observe_slot(st.rule, order, b, h, s[u], pos[u], length, cur[u], inc[u], updated, part);
   }
   part = reduce(temp).Reduce(part, merge_partials{});
-  if (!live) return;
-  if (chunks == 1) {
+  // The blocks that arrive: the live ones; in the one-launch step every
+  // block of the row, so that none can start after the commit and read the
+  // row as its append left it (a block past the slots brings an empty part).
+  if (!Append && !live) return;
+  const std::int32_t arriving = Append ? split.chunks : chunks;
+  if (arriving == 1) {
     if (t == 0) finish_row(st, source, b, h, start, part, victims, status);
     return;
   }
@@ -205,13 +212,13 @@ __global__ void __launch_bounds__(decode_tuning::threads, Source::min_blocks)
   if (t == 0) {
     parts[chunk] = part;
     __threadfence();
-    finisher = atomicAdd(st.work.arrivals + bh, 1u) == static_cast<unsigned>(chunks - 1);
+    finisher = atomicAdd(st.work.arrivals + bh, 1u) == static_cast<unsigned>(arriving - 1);
   }
   __syncthreads();
   if (!finisher) return;
   __threadfence();
   row_partial total;
-  for (std::int32_t c = t; c < chunks; c += kThreads) total = row_partial::merge(total, load_partial(parts + c));
+  for (std::int32_t c = t; c < arriving; c += kThreads) total = row_partial::merge(total, load_partial(parts + c));
   total = reduce(temp).Reduce(total, merge_partials{});
   if (t == 0) {
     st.work.arrivals[bh] = 0;
