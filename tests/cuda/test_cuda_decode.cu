@@ -603,11 +603,11 @@ TEST_CASE("cuda: capacities from 2 to 128K slots, including sizes that are not m
   }
 }
 
-TEST_CASE("cuda: a captured graph of append + observe + evict replays to the eager result") {
+TEST_CASE("cuda: captured graphs of append + observe + evict (two nodes) and of the step (one) replay to the eager result") {
   const std::int32_t B = 4, H = 2, Hq = 8, cap = 33;
   const policy_shape shape{B, H, Hq, cap};
   const h2o_config config{16, 16};
-  batched_policy<h2o_policy, device::cuda> eager(shape, config), graphed(shape, config);
+  batched_policy<h2o_policy, device::cuda> eager(shape, config), graphed(shape, config), one(shape, config);
   std::mt19937 rng(3);
   device_buffer<float> probs(std::size_t(B) * Hq * cap);
   const auto view = make_tensor_view<const float>(probs.get(), B, Hq, cap);
@@ -620,13 +620,26 @@ TEST_CASE("cuda: a captured graph of append + observe + evict replays to the eag
   KVTEST_CUDA(cudaStreamEndCapture(stream, &graph));
   cudaGraphExec_t exec;
   KVTEST_CUDA(cudaGraphInstantiate(&exec, graph, 0));
-  kvtest::host_state_mirror<h2o_policy> a(shape, config), b(shape, config);
+  // The one-launch step, captured too: one graph node a step, against two.
+  cudaGraph_t one_graph;
+  KVTEST_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  one.step(batch_probs{view}, active_set::all(), nullptr, stream);
+  KVTEST_CUDA(cudaStreamEndCapture(stream, &one_graph));
+  std::size_t nodes = 0, one_nodes = 0;
+  KVTEST_CUDA(cudaGraphGetNodes(graph, nullptr, &nodes));
+  KVTEST_CUDA(cudaGraphGetNodes(one_graph, nullptr, &one_nodes));
+  CHECK(nodes == 2);
+  CHECK(one_nodes == 1);
+  cudaGraphExec_t one_exec;
+  KVTEST_CUDA(cudaGraphInstantiate(&one_exec, one_graph, 0));
+  kvtest::host_state_mirror<h2o_policy> a(shape, config), b(shape, config), c(shape, config);
   for (int step = 0; step < 100; ++step) {
     std::vector<float> p(probs.size());
     for (float& x : p) x = float(rng() % 100) / 128.0f;
     KVTEST_CUDA(cudaMemcpyAsync(probs.get(), p.data(), p.size() * 4, cudaMemcpyHostToDevice, stream));
     KVTEST_CUDA(cudaStreamSynchronize(stream));  // p is a stack buffer
     KVTEST_CUDA(cudaGraphLaunch(exec, stream));
+    KVTEST_CUDA(cudaGraphLaunch(one_exec, stream));
     eager.append(active_set::all(), stream);
     eager.observe_evict(batch_probs{view}, active_set::all(), nullptr, stream);
   }
@@ -635,9 +648,14 @@ TEST_CASE("cuda: a captured graph of append + observe + evict replays to the eag
   a.read(eager.state());
   b.read(graphed.state());
   kvtest::check_same_state(a.view, b.view);
+  CHECK(one.status_word(stream) == batch_status_clear);
+  c.read(one.state());
+  kvtest::check_same_state(a.view, c.view);
   CHECK(a.view.slots.lengths[0] == 100);
   KVTEST_CUDA(cudaGraphExecDestroy(exec));
   KVTEST_CUDA(cudaGraphDestroy(graph));
+  KVTEST_CUDA(cudaGraphExecDestroy(one_exec));
+  KVTEST_CUDA(cudaGraphDestroy(one_graph));
   KVTEST_CUDA(cudaStreamDestroy(stream));
 }
 
