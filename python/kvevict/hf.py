@@ -650,6 +650,14 @@ def _prompt_attention(cache: "KVEvictCache", module: nn.Module, query: torch.Ten
     first_read = 0 if need_sums else L - max(window, 1)
     windows = []
     q = query.reshape(B, H, g, L, D)  # query head h * g + j is row j of KV head h's group
+    # A power-of-two scaling (head_dim 64, 256, ...) scales every product and
+    # sum exactly in float32 and bfloat16 (unless a value is subnormal, far
+    # below anything attention adds up): applied to the few query rows of a
+    # block instead of its [rows, L] logits, it saves a pass over them.
+    # float16's narrow exponent makes small rows subnormal: it keeps eager's order.
+    prescale = math.frexp(scaling)[0] == 0.5 and query.dtype in (torch.float32, torch.bfloat16)
+    if prescale:
+        q = q * scaling
     step = _PROMPT_ROWS_PER_BLOCK
     # made once: row r of a block sees columns <= r of its own rows; the sums are a product with ones
     causal_block = torch.ones((step, step), dtype=torch.bool, device=query.device).triu(1)
@@ -658,7 +666,9 @@ def _prompt_attention(cache: "KVEvictCache", module: nn.Module, query: torch.Ten
         hi = min(lo + step, L)
         rows = hi - lo
         w = torch.matmul(q[:, :, :, lo:hi].reshape(B, H, g * rows, D), key[:, :, :hi].transpose(2, 3))
-        w = w.mul_(scaling).view(B, H, g, rows, hi)  # in place: eager's product, no second [rows, hi] tensor
+        if not prescale:
+            w = w.mul_(scaling)  # in place: eager's product, no second [rows, hi] tensor
+        w = w.view(B, H, g, rows, hi)
         w[..., lo:hi].masked_fill_(causal_block[:rows, :rows], torch.finfo(w.dtype).min)
         p32 = nn.functional.softmax(w, dim=-1, dtype=torch.float32)
         if need_sums:
