@@ -183,45 +183,43 @@ class decode_layers {
   }
 
  private:
-  cudaError_t observe_evict(layer<Setup>& ly, cudaStream_t stream) const {
-    const kvevict::batch_state_view& st = ly.policy.state();
-    const auto all = kvevict::active_set::all();
-    std::uint64_t* status = ly.policy.status_device();
+  /// call(in) with layer ly's input of the scenario's kind (queries + LSE:
+  /// call(in, cache)).
+  template <class Call>
+  cudaError_t with_input(const layer<Setup>& ly, Call call) const {
     const auto values = kvevict::make_tensor_view<const float>(ly.values.get(), sc_.seqs, rows_per_seq_, sc_.slots);
     const auto lse = kvevict::make_tensor_view<const float>(ly.lse.get(), sc_.seqs, sc_.q_heads());
     switch (kind_) {
-      case input_kind::probs:
-        return kvevict::gpu::batched_observe_evict(st, all, kvevict::batch_probs{values}, nullptr, status, stream);
-      case input_kind::head_scores:
-        return kvevict::gpu::batched_observe_evict(st, all, kvevict::batch_head_scores{values}, nullptr, status,
-                                                   stream);
-      case input_kind::logits:
-        return kvevict::gpu::batched_observe_evict(st, all, kvevict::batch_logits{values, lse}, nullptr, status,
-                                                   stream);
-      case input_kind::queries: {
-        const kvevict::batch_queries<kvevict::bfloat16> in{
-            kvevict::make_tensor_view<const kvevict::bfloat16>(ly.q.get(), sc_.seqs, sc_.q_heads(), sc_.head_dim), lse,
-            1.0f / std::sqrt(float(sc_.head_dim))};
-        return kvevict::gpu::batched_observe_evict(st, all, in, cache_of(ly), nullptr, status, stream);
-      }
+      case input_kind::probs: return call(kvevict::batch_probs{values});
+      case input_kind::head_scores: return call(kvevict::batch_head_scores{values});
+      case input_kind::logits: return call(kvevict::batch_logits{values, lse});
+      case input_kind::queries:
+        return call(kvevict::batch_queries<kvevict::bfloat16>{
+                        kvevict::make_tensor_view<const kvevict::bfloat16>(ly.q.get(), sc_.seqs, sc_.q_heads(),
+                                                                           sc_.head_dim),
+                        lse, 1.0f / std::sqrt(float(sc_.head_dim))},
+                    cache_of(ly));
     }
     return cudaErrorInvalidValue;
   }
 
+  cudaError_t observe_evict(layer<Setup>& ly, cudaStream_t stream) const {
+    const kvevict::batch_state_view& st = ly.policy.state();
+    std::uint64_t* status = ly.policy.status_device();
+    return with_input(ly, [&](const auto& in, const auto&... cache) {
+      return kvevict::gpu::batched_observe_evict(st, kvevict::active_set::all(), in, cache..., nullptr, status, stream);
+    });
+  }
+
   cudaError_t one_launch(layer<Setup>& ly, cudaStream_t stream) const {
     const kvevict::batch_state_view& st = ly.policy.state();
-    const auto all = kvevict::active_set::all();
     std::uint64_t* status = ly.policy.status_device();
-    const auto values = kvevict::make_tensor_view<const float>(ly.values.get(), sc_.seqs, rows_per_seq_, sc_.slots);
-    const auto lse = kvevict::make_tensor_view<const float>(ly.lse.get(), sc_.seqs, sc_.q_heads());
-    switch (kind_) {
-      case input_kind::probs: return kvevict::gpu::batched_step(st, all, kvevict::batch_probs{values}, nullptr, status, stream);
-      case input_kind::head_scores:
-        return kvevict::gpu::batched_step(st, all, kvevict::batch_head_scores{values}, nullptr, status, stream);
-      case input_kind::logits:
-        return kvevict::gpu::batched_step(st, all, kvevict::batch_logits{values, lse}, nullptr, status, stream);
-      default: return cudaErrorInvalidValue;  // queries keep the two launches
-    }
+    return with_input(ly, [&](const auto& in, const auto&... cache) {
+      if constexpr (sizeof...(cache) == 0)
+        return kvevict::gpu::batched_step(st, kvevict::active_set::all(), in, nullptr, status, stream);
+      else
+        return cudaErrorInvalidValue;  // queries keep the two launches
+    });
   }
 
   kvevict::kv_view<kvevict::bfloat16, kvevict::strided_layout> cache_of(const layer<Setup>& ly) const {

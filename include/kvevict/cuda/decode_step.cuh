@@ -34,11 +34,7 @@ template <class Input>
 cudaError_t step_split(const batch_state_view& st, const active_set& active, const Input& in, std::int32_t* victims,
                        std::uint64_t* status, cudaStream_t stream, const row_split& split) {
   const kvevict::detail::site w{"cuda", "step"};
-  kvevict::detail::require_state(w, st);
-  kvevict::detail::require_active(w, active, st.num_seqs());  // no retry sets, as append
-  kvevict::detail::require_not_null(w, "status", status);
-  if (std::int64_t{active.entries(st.num_seqs())} * st.num_heads() > 0x7FFFFFFF)
-    kvevict::detail::fail<invalid_argument>(w, "active", "gives more (sequence, head) blocks than a grid holds");
+  require_common(w, st, active, status, /*accepts_retry=*/false);
   if (st.history.keys)
     kvevict::detail::fail<invalid_argument>(w, "in", "is not queries + LSE, which exact_greedy needs (with the cache)");
   using kvevict::detail::require_input;

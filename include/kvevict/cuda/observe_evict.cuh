@@ -226,10 +226,12 @@ __global__ void __launch_bounds__(decode_tuning::threads, Source::min_blocks)
   }
 }
 
+/// The checks every decode launcher makes first; the one-launch step
+/// refuses retry sets (accepts_retry false), as append does.
 inline void require_common(const kvevict::detail::site& w, const batch_state_view& st, const active_set& active,
-                           const std::uint64_t* status) {
+                           const std::uint64_t* status, bool accepts_retry = true) {
   kvevict::detail::require_state(w, st);
-  kvevict::detail::require_active(w, active, st.num_seqs(), /*accepts_retry=*/true);
+  kvevict::detail::require_active(w, active, st.num_seqs(), accepts_retry);
   kvevict::detail::require_not_null(w, "status", status);
   if (std::int64_t{active.entries(st.num_seqs())} * st.num_heads() > 0x7FFFFFFF)
     kvevict::detail::fail<invalid_argument>(w, "active", "gives more (sequence, head) blocks than a grid holds");
