@@ -53,8 +53,8 @@ struct device_array {
 /// the state; a head with no free slot (-1) writes nothing, its sequence's
 /// step being refused.
 template <class T, class Layout>
-__global__ void write_next_rows(kvevict::batch_state_view st, const std::uint8_t* active, kvevict::kv_view<T, Layout> cache,
-                                const T* k_new, const T* v_new) {
+__global__ void write_next_rows(kvevict::batch_state_view st, const std::uint8_t* active,
+                                kvevict::kv_view<T, Layout> cache, const T* k_new, const T* v_new) {
   const std::int32_t b = static_cast<std::int32_t>(blockIdx.x) / st.num_heads();
   const std::int32_t h = static_cast<std::int32_t>(blockIdx.x) % st.num_heads();
   const std::int32_t slot = st.slots.next_slots[st.head_index(b, h)];

@@ -204,7 +204,9 @@ fi
 dry=$(mktemp -d)
 trap 'rm -rf "$dry"' EXIT
 set +e
-if [ "$perf" = 1 ]; then "$out/run.sh" "$dry/out" --perf >"$dry/log" 2>&1; else "$out/run.sh" "$dry/out" >"$dry/log" 2>&1; fi
+perf_args=()
+[ "$perf" = 1 ] && perf_args=(--perf)
+"$out/run.sh" "$dry/out" "${perf_args[@]}" >"$dry/log" 2>&1
 rc=$?
 set -e
 tail -n 45 "$dry/log"
