@@ -128,6 +128,7 @@ class KVEvictLayer(CacheLayerMixin):
         self._prompt_keys: Optional[torch.Tensor] = None  # recorded: the prompt's keys, then each step's new row
         self._k_new: Optional[torch.Tensor] = None
         self._dtype: Optional[torch.dtype] = None  # the model's K/V dtype (what attention reads)
+        self._rows: Optional[tuple] = None  # (b [B, 1], h [1, H]): the indices of each head's new row, made once
 
     # ---- transformers' layer interface -----------------------------------------
 
@@ -205,10 +206,12 @@ class KVEvictLayer(CacheLayerMixin):
         before the attention reads it. A head with no free slot (-1) writes
         nothing: its sequence's step is refused and the slots stay as they were."""
         B, H = k_new.shape[:2]
+        if self._rows is None or self._rows[0].shape[0] != B:  # a batch reshaped by the cache's calls
+            self._rows = (torch.arange(B, device=k_new.device).view(B, 1),
+                          torch.arange(H, device=k_new.device).view(1, H))
+        b, h = self._rows
         next_slots = self.policy.next_slots.long()
         free = (next_slots >= 0).unsqueeze(-1)
-        b = torch.arange(B, device=k_new.device).view(B, 1)
-        h = torch.arange(H, device=k_new.device).view(1, H)
         slot = next_slots.clamp(min=0)
         for cached, new in ((self.keys, k_new), (self.values, v_new)):
             bits = _bits(cached)

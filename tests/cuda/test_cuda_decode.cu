@@ -141,27 +141,35 @@ struct device_step {
   }
 };
 
+/// One step (Step) or observe + evict of kind `kind` from probabilities,
+/// per-head increments or logits, host or device buffers.
+template <bool Step, class P>
+void feed(P& p, input_kind kind, const kvtest::batch_dims& dm, const float* probs, const float* logits,
+          const float* increments, const float* lse, float scale, const active_set& active, std::int32_t* victims) {
+  const std::int32_t B = dm.seqs, Hq = dm.q_heads(), H = dm.heads, W = dm.width();
+  auto call = [&](const auto& in) {
+    if constexpr (Step) p.step(in, active, victims);
+    else p.observe_evict(in, active, victims);
+  };
+  if (kind == input_kind::probs) call(batch_probs{make_tensor_view<const float>(probs, B, Hq, W)});
+  else if (kind == input_kind::head_scores) call(batch_head_scores{make_tensor_view<const float>(increments, B, H, W)});
+  else
+    call(batch_logits{make_tensor_view<const float>(logits, B, Hq, W), make_tensor_view<const float>(lse, B, Hq),
+                      scale});
+}
+
 /// Feeds one observe + evict of kind `kind` to a policy p, from host or
 /// device buffers.
 template <class P, class View>
 void observe(P& p, input_kind kind, const kvtest::batch_dims& dm, const float* probs, const float* logits,
              const float* increments, const float* lse, const float* q, float scale, const View& cache,
              const active_set& active, std::int32_t* victims) {
-  const std::int32_t B = dm.seqs, Hq = dm.q_heads(), H = dm.heads, W = dm.width(), D = dm.head_dim;
-  const auto lse_view = make_tensor_view<const float>(lse, B, Hq);
-  switch (kind) {
-    case input_kind::probs: p.observe_evict(batch_probs{make_tensor_view<const float>(probs, B, Hq, W)}, active, victims); break;
-    case input_kind::head_scores:
-      p.observe_evict(batch_head_scores{make_tensor_view<const float>(increments, B, H, W)}, active, victims);
-      break;
-    case input_kind::logits:
-      p.observe_evict(batch_logits{make_tensor_view<const float>(logits, B, Hq, W), lse_view, scale}, active, victims);
-      break;
-    case input_kind::queries:  // an fp8 cache's keys are code x its per-head scales (support/caches.hpp)
-      p.observe_evict(batch_queries<float>{make_tensor_view<const float>(q, B, Hq, D), lse_view, scale}, cache, active,
-                      victims);
-      break;
-  }
+  if (kind != input_kind::queries)
+    return feed<false>(p, kind, dm, probs, logits, increments, lse, scale, active, victims);
+  // an fp8 cache's keys are code x its per-head scales (support/caches.hpp)
+  p.observe_evict(batch_queries<float>{make_tensor_view<const float>(q, dm.seqs, dm.q_heads(), dm.head_dim),
+                                       make_tensor_view<const float>(lse, dm.seqs, dm.q_heads()), scale},
+                  cache, active, victims);
 }
 
 /// Spoils one input of one active (b, h) of the step: NaN, inf or a
@@ -895,23 +903,6 @@ TEST_CASE("cuda: a tensor-parallel shard (first_kv_head) draws random's victims 
 }
 
 namespace {
-
-/// One step (Step) or observe + evict (a retry) of kind `kind` from
-/// probabilities, per-head increments or logits, host or device buffers.
-template <bool Step, class P>
-void feed(P& p, input_kind kind, const kvtest::batch_dims& dm, const float* probs, const float* logits,
-          const float* increments, const float* lse, float scale, const active_set& active, std::int32_t* victims) {
-  const std::int32_t B = dm.seqs, Hq = dm.q_heads(), H = dm.heads, W = dm.width();
-  auto call = [&](const auto& in) {
-    if constexpr (Step) p.step(in, active, victims);
-    else p.observe_evict(in, active, victims);
-  };
-  if (kind == input_kind::probs) call(batch_probs{make_tensor_view<const float>(probs, B, Hq, W)});
-  else if (kind == input_kind::head_scores) call(batch_head_scores{make_tensor_view<const float>(increments, B, H, W)});
-  else
-    call(batch_logits{make_tensor_view<const float>(logits, B, Hq, W), make_tensor_view<const float>(lse, B, Hq),
-                      scale});
-}
 
 template <class Policy>
 void clear_host_status(batched_policy<Policy>& p) {

@@ -360,10 +360,7 @@ void batched_observe_evict(const batch_state_view& st, const active_set& active,
   detail::require_state(w, st);
   detail::require_active(w, active, st.num_seqs(), true);
   detail::require_not_null(w, "status", status);
-  if (st.history.keys)  // first: exact_greedy refuses every other input, whatever its own checks would say
-    detail::fail<invalid_argument>(w, "in", "is not queries + LSE, which exact_greedy needs (with the cache)");
-  using detail::require_input;  // and the overload of a rule registered elsewhere, by ADL
-  require_input(w, st, in);
+  detail::require_score_input(w, st, in);
   const score_source<Input> source{in, st.group_size(), st.rule.reduce};
   detail::observe_evict_all(st, active, victims, status, [&](std::int32_t b, std::int32_t h, std::int32_t& victim) {
     return detail::observe_evict_head(st, b, h, source, victim);
@@ -389,10 +386,7 @@ void batched_step(const batch_state_view& st, const active_set& active, const In
   detail::require_state(w, st);
   detail::require_active(w, active, st.num_seqs());
   detail::require_not_null(w, "status", status);
-  if (st.history.keys)
-    detail::fail<invalid_argument>(w, "in", "is not queries + LSE, which exact_greedy needs (with the cache)");
-  using detail::require_input;
-  require_input(w, st, in);
+  detail::require_score_input(w, st, in);
   const score_source<Input> source{in, st.group_size(), st.rule.reduce};
   auto head = [&](std::int32_t b, std::int32_t h, std::int32_t& victim) {
     return detail::observe_evict_head(st, b, h, source, victim);

@@ -101,7 +101,9 @@ struct device_workspace {
 struct row_marks {
   std::int32_t* lengths = nullptr;  ///< [B][H]
   std::uint64_t* full = nullptr;    ///< [2][B][words]
-  std::int32_t words = 0;           ///< 64-bit words per sequence: ceil(H / 64)
+  std::int32_t words = 0;           ///< 64-bit words per sequence: words_for(H)
+
+  KVEVICT_HOST_DEVICE static constexpr std::int32_t words_for(std::int32_t heads) noexcept { return (heads + 63) / 64; }
 
   KVEVICT_HOST_DEVICE std::uint64_t* word_of(std::int32_t b, std::int32_t h, std::int32_t length,
                                              std::int32_t num_seqs) const noexcept {
@@ -236,7 +238,7 @@ inline batch_state_view carve_state(void* memory, const policy_shape& shape, con
   v.scores = c.take<float>(2 * slots);
   v.score_buffer = c.take<std::uint8_t>(heads);
   v.appended = c.take<std::uint8_t>(heads);
-  v.marks.words = (shape.num_kv_heads + 63) / 64;
+  v.marks.words = row_marks::words_for(shape.num_kv_heads);
   v.marks.lengths = c.take<std::int32_t>(heads);
   v.marks.full = c.take<std::uint64_t>(2 * std::int64_t{shape.num_seqs} * v.marks.words);
   if (parts.streams) v.streams = c.take<std::uint64_t>(shape.num_seqs);

@@ -54,9 +54,9 @@ inline void require_state(const site& w, const batch_state_view& st) {
   if (st.num_q_heads % st.slots.num_heads != 0)
     fail<invalid_argument>(w, "state.num_q_heads", "= ", st.num_q_heads, " is not a multiple of num_heads = ",
                            st.slots.num_heads);
-  if (st.marks.words != (st.slots.num_heads + 63) / 64)
-    fail<invalid_argument>(w, "state.marks.words", "= ", st.marks.words, ", ", st.slots.num_heads,
-                           " heads need ", (st.slots.num_heads + 63) / 64);
+  if (st.marks.words != row_marks::words_for(st.slots.num_heads))
+    fail<invalid_argument>(w, "state.marks.words", "= ", st.marks.words, ", ", st.slots.num_heads, " heads need ",
+                           row_marks::words_for(st.slots.num_heads));
   require_rule(w, st);
   if (st.rule.victim == victim_rule::random_priority) require_not_null(w, "state.streams", st.streams);
   // Anchor rows are indexed by the state's (sequence, head): another head count reads other memory.
@@ -177,6 +177,18 @@ void require_input(const site& w, const batch_state_view& st, const batch_querie
   require_query_lse(w, st, in);
   require_scale(w, in.scale);
   require_lse_base(w, "base", in.base);
+}
+
+/// The checks of an input scored without the cache (batch_probs,
+/// batch_head_scores, batch_logits, key_norms, or a rule registered
+/// elsewhere, whose require_input argument-dependent lookup finds): an
+/// exact_greedy state refuses every one first, whatever its own checks
+/// would say, then the input's own.
+template <class Input>
+void require_score_input(const site& w, const batch_state_view& st, const Input& in) {
+  if (st.history.keys)
+    fail<invalid_argument>(w, "in", "is not queries + LSE, which exact_greedy needs (with the cache)");
+  require_input(w, st, in);
 }
 
 template <class T, class Layout>

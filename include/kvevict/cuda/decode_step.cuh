@@ -35,10 +35,7 @@ cudaError_t step_split(const batch_state_view& st, const active_set& active, con
                        std::uint64_t* status, cudaStream_t stream, const row_split& split) {
   const kvevict::detail::site w{"cuda", "step"};
   require_common(w, st, active, status, /*accepts_retry=*/false);
-  if (st.history.keys)
-    kvevict::detail::fail<invalid_argument>(w, "in", "is not queries + LSE, which exact_greedy needs (with the cache)");
-  using kvevict::detail::require_input;
-  require_input(w, st, in);
+  kvevict::detail::require_score_input(w, st, in);
   return launch_observe_evict<score_source<Input>, true>(
       st, active, score_source<Input>{in, st.group_size(), st.rule.reduce}, victims, status, stream, split);
 }

@@ -285,10 +285,7 @@ cudaError_t observe_evict_split(const batch_state_view& st, const active_set& ac
                                 const row_split& split) {
   const kvevict::detail::site w{"cuda", "observe_evict"};
   require_common(w, st, active, status);
-  if (st.history.keys)  // first: exact_greedy refuses every other input, whatever its own checks would say
-    kvevict::detail::fail<invalid_argument>(w, "in", "is not queries + LSE, which exact_greedy needs (with the cache)");
-  using kvevict::detail::require_input;  // and the overload of a rule registered elsewhere, by ADL
-  require_input(w, st, in);
+  kvevict::detail::require_score_input(w, st, in);
   return launch_observe_evict(st, active, score_source<Input>{in, st.group_size(), st.rule.reduce}, victims, status,
                               stream, split);
 }
